@@ -1,0 +1,42 @@
+"""The attention-backend interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from framework.batch import ForwardBatch
+from framework.kv import KVAllocator, KVPool
+
+
+class AttentionBackend:
+    """Turns a ForwardBatch into kernel metadata and runs attention over the paged KV pool.
+
+    ``init_metadata`` runs outside compiled graphs; its output must have fixed shapes for a given
+    (mode, padded_bs, tokens per request, kv width bucket) so that captured graphs replay. ``forward`` runs inside
+    them: it stores the new K/V at ``batch.out_cache_loc`` and attends.
+    """
+
+    name = "base"
+
+    def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        self.pool = pool
+        self.allocator = allocator
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def init_metadata(self, batch: ForwardBatch) -> Any:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any) -> torch.Tensor:
+        """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``
+        -> ``[num_tokens, num_heads * head_dim]``."""
+        raise NotImplementedError
+
+    def dynamic_dims(self, meta: Any) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, dim) pairs of ``meta`` whose size varies between replays of one compiled graph."""
+        return []

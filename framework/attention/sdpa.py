@@ -1,0 +1,114 @@
+"""``attention=sdpa``: torch scaled_dot_product_attention over K/V gathered through req_to_token.
+
+Every mode is the same computation: each request has ``q_len`` new tokens (EXTEND: ragged, padded to the
+longest; DECODE: 1; TARGET_VERIFY / DRAFT_EXTEND: the draft tokens) that attend to the request's cached
+prefix plus, among themselves, causally or through ``batch.custom_mask`` (a tree mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from framework.attention import ATTENTION_BACKENDS
+from framework.attention.base import AttentionBackend
+from framework.batch import ForwardBatch
+
+
+@dataclass
+class SdpaMetadata:
+    out_cache_loc: torch.Tensor  # [num_tokens] slots that receive the new K/V
+    kv_slots: torch.Tensor  # [bs, kv_width] slot of every key position (req_to_token rows)
+    mask: torch.Tensor  # [bs, 1, q_len, kv_width] bool: query token t of request b may attend key j
+    token_index: Optional[torch.Tensor] = None  # EXTEND: [bs, q_len] flat token of each (b, t)
+    flat_index: Optional[torch.Tensor] = None  # EXTEND: [num_tokens] position of each token in [bs * q_len]
+
+
+def kv_width_bucket(max_len: int, limit: int) -> int:
+    """Key width for a batch whose longest request has ``max_len`` keys: the next power of two >= 64.
+
+    Buckets keep the number of distinct shapes (compiled graphs) logarithmic in the context length.
+    """
+    width = 64
+    while width < max_len:
+        width *= 2
+    return min(width, limit)
+
+
+def build_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor, q_len: int, kv_width: int,
+               custom_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[bs, 1, q_len, kv_width]`` bool: prefix keys, plus causal (or ``custom_mask``) among the new tokens.
+
+    seq_lens, q_lens: ``[bs]`` int64 (KV length after this forward, new tokens). Query rows beyond a request's
+    ``q_len`` (padding) attend key 0 only, so that no row is fully masked.
+    """
+    device = seq_lens.device
+    prefix = (seq_lens - q_lens)[:, None, None]  # [bs, 1, 1]
+    t = torch.arange(q_len, device=device)[None, :, None]  # [1, q_len, 1]
+    j = torch.arange(kv_width, device=device)[None, None, :]  # [1, 1, kv_width]
+    if custom_mask is None:
+        allowed = j <= prefix + t  # [bs, q_len, kv_width]
+    else:
+        rel = j - prefix  # [bs, 1, kv_width] index among the new tokens
+        in_new = (rel >= 0) & (rel < q_len)
+        gathered = torch.gather(custom_mask, 2, rel.clamp(0, q_len - 1).expand(-1, q_len, -1))
+        allowed = (j < prefix) | (in_new & gathered)
+    valid_q = t < q_lens[:, None, None]  # [bs, q_len, 1]
+    allowed = torch.where(valid_q, allowed, j == 0)
+    return allowed[:, None]
+
+
+@ATTENTION_BACKENDS.register("sdpa")
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def init_metadata(self, batch: ForwardBatch) -> SdpaMetadata:
+        device = batch.input_ids.device
+        width = kv_width_bucket(max(batch.seq_lens_cpu), self.allocator.max_context)
+        kv_slots = self.allocator.req_to_token[batch.req_pool_indices, :width]  # [bs, width]
+        if batch.mode.uniform:
+            q_len = batch.q_len
+            q_lens = torch.full_like(batch.seq_lens, q_len)
+            token_index = flat_index = None
+        else:
+            lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
+            q_len = int(lens.max())
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            t = np.arange(q_len)
+            token_np = np.where(t[None, :] < lens[:, None], starts[:, None] + t[None, :], 0)  # [bs, q_len]
+            flat_np = np.concatenate([b * q_len + np.arange(n) for b, n in enumerate(lens)])
+            packed = torch.from_numpy(np.concatenate([token_np.reshape(-1), flat_np, lens])).to(device)
+            token_index = packed[: token_np.size].view(len(lens), q_len)
+            flat_index = packed[token_np.size: token_np.size + flat_np.size]
+            q_lens = packed[token_np.size + flat_np.size:]
+        mask = build_mask(batch.seq_lens, q_lens, q_len, width, batch.custom_mask)
+        return SdpaMetadata(batch.out_cache_loc, kv_slots, mask, token_index, flat_index)
+
+    def dynamic_dims(self, meta: SdpaMetadata) -> list[tuple[torch.Tensor, int]]:
+        return [(meta.kv_slots, 1), (meta.mask, 3)]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                meta: SdpaMetadata) -> torch.Tensor:
+        self.pool.store(layer, meta.out_cache_loc, k, v)
+        bs, _, q_len, width = meta.mask.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
+        if meta.token_index is None:
+            qb = q.view(bs, q_len, heads, dim)
+        else:
+            qb = q[meta.token_index]  # [bs, q_len, heads, dim]
+        # query heads h = kv * group + g share kv head `kv`: fold the group into the query length so that
+        # sdpa sees plain multi-head attention and K/V are never repeated
+        qb = qb.view(bs, q_len, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(bs, kv_heads, q_len * group, dim)
+        kb = self.pool.k[layer][meta.kv_slots].transpose(1, 2)  # [bs, kv_heads, width, dim]
+        vb = self.pool.v[layer][meta.kv_slots].transpose(1, 2)
+        mask = meta.mask[:, :, :, None, :].expand(bs, 1, q_len, group, width).reshape(bs, 1, q_len * group, width)
+        out = F.scaled_dot_product_attention(qb.to(kb.dtype), kb, vb, attn_mask=mask, scale=self.scale)
+        out = out.view(bs, kv_heads, q_len, group, dim).permute(0, 2, 1, 3, 4).reshape(bs * q_len, heads * dim)
+        if meta.flat_index is not None:
+            out = out[meta.flat_index]
+        return out

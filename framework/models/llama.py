@@ -1,0 +1,166 @@
+"""A Llama-family decoder in plain torch (SmolLM2, Llama 3, Qwen2-style without biases): RMSNorm, RoPE with
+Llama-3 scaling, GQA, SwiGLU, tied or untied embeddings. Tokens are flat (``[num_tokens]``), ragged across
+requests; attention goes through the configured backend, which reads ``meta`` for the batch layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # Llama 3: rope_type=llama3, factor, low/high_freq_factor, ...
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]``, with Llama-3 frequency scaling when configured."""
+    dim = args.head_dim
+    # float32 like the reference implementation, so that fp32 logits match it bit for bit where possible
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "factors":  # per-frequency divisors, as GGUF files store them (rope_freqs.weight)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
+    elif kind not in ("default", None):
+        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3, factors")
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[num_tokens, heads, head_dim]``; cos/sin ``[num_tokens, 1, head_dim // 2]`` (rotate-half layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=False)  # fused wq | wk | wv
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
+        self.split = (q_size, kv_size, kv_size)
+        self.backend: Any = None  # set by the model runner
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, heads, head_dim]
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.backend.forward(q, k, v, self.layer_id, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)  # fused gate | up
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_id)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-token Llama: ``forward(input_ids [n], positions [n], meta, logits_index [m]) -> (logits, hidden)``."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        half = args.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self.init_rope()
+
+    def init_rope(self) -> None:
+        """Fill the float32 rope tables ``[max_pos, head_dim // 2]`` (after allocation on a real device)."""
+        positions = torch.arange(self.args.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(self.args)).to(self.rope_cos.device)
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    def set_attention_backend(self, backend: Any) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, logits_index: torch.Tensor,
+                layer_ids: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns logits ``[m, vocab]`` (float32) and final-norm hidden states ``[m, hidden]`` of the rows
+        ``logits_index``. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
+        x = self.embed_tokens(input_ids)  # [n, hidden]
+        cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
+        sin = self.rope_sin[positions][:, None, :]
+        layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
+        for layer in layers:
+            x = layer(x, cos, sin, meta)
+        hidden = self.norm(x[logits_index])  # [m, hidden]
+        return self.lm_head(hidden).float(), hidden

@@ -1,0 +1,66 @@
+"""A request's life on the host: prompt, sampling parameters, generated tokens, KV ownership, outcome."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from framework.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: Any  # the caller's id (JSONL "id", HTTP request id)
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # max_tokens clamped so that prompt + output fits the context window
+    output_ids: list[int] = field(default_factory=list)
+    row: int = -1  # req_to_token row while the request holds KV
+    kv_len: int = 0  # tokens whose K/V are committed in the pool
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    stop_text_len: Optional[int] = None  # text is cut here when a stop string matched
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus generated tokens (the last generated token's K/V is not yet in the pool)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def max_total_len(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What a caller gets back: one per submitted request, in submission order."""
+
+    id: Any
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    error: Optional[str] = None
+    spec: Optional[dict] = None
+
+    def to_json(self) -> dict:
+        out = {"id": self.id, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "num_prompt_tokens": self.num_prompt_tokens}
+        if self.error is not None:
+            out["error"] = self.error
+        if self.spec is not None:
+            out["spec"] = self.spec
+        return out

@@ -1,0 +1,16 @@
+"""Drafters for speculative decoding, chosen by ``speculative=<name>`` (the registry name = the option name)."""
+
+from __future__ import annotations
+
+from framework.registry import Registry
+
+DRAFTERS: Registry = Registry("drafter", lazy={})
+
+
+@DRAFTERS.register("none")
+def _no_drafter(*args, **kwargs) -> None:
+    """Plain decoding: one target forward per token."""
+    return None
+
+
+__all__ = ["DRAFTERS"]

@@ -1,0 +1,1 @@
+"""Triton kernels, each registered as a torch custom op (namespace ``tfs``) beside its plain-torch reference."""
