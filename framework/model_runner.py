@@ -99,7 +99,10 @@ class ModelRunner:
             return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, layer_ids)
         padded = self.pad(batch)
         padded.attn = self.backend.init_metadata(padded)
-        for tensor, dim in self.backend.dynamic_dims(padded.attn):
+        # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured
+        # size; size 1 is specialised by dynamo); reduce-overhead still records one CUDA graph per concrete shape
+        for tensor, dim in [(padded.input_ids, 0), (padded.positions, 0), (padded.logits_index, 0),
+                            *self.backend.dynamic_dims(padded.attn)]:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
         torch.compiler.cudagraph_mark_step_begin()

@@ -89,7 +89,7 @@ class SdpaBackend(AttentionBackend):
         return SdpaMetadata(batch.out_cache_loc, kv_slots, mask, token_index, flat_index)
 
     def dynamic_dims(self, meta: SdpaMetadata) -> list[tuple[torch.Tensor, int]]:
-        return [(meta.kv_slots, 1), (meta.mask, 3)]
+        return [(meta.out_cache_loc, 0), (meta.kv_slots, 0), (meta.kv_slots, 1), (meta.mask, 0), (meta.mask, 3)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: SdpaMetadata) -> torch.Tensor:

@@ -81,13 +81,13 @@ class KVAllocator:
         Returns the slots in row order, ``[sum(end - start)]`` int64 on the device, and writes them into
         ``req_to_token`` (device and host mirror). Raises ``MemoryError`` (allocating nothing) if pages run out.
         """
+        if ends and max(ends) > self.max_context:
+            raise ValueError(f"position {max(ends) - 1} beyond max_context {self.max_context}")
         need = sum(max(0, self.pages_for(e) - len(self._pages[r])) for r, e in zip(rows, ends))
         if need > len(self._free_pages):
             raise MemoryError(f"KV pool exhausted: need {need} pages, {len(self._free_pages)} free")
         all_rows, all_cols = [], []
         for row, start, end in zip(rows, starts, ends):
-            if end > self.max_context:
-                raise ValueError(f"position {end - 1} beyond max_context {self.max_context}")
             pages = self._pages[row]
             while len(pages) < self.pages_for(end):
                 pages.append(self._free_pages.pop())

@@ -1,0 +1,58 @@
+"""Shared fixtures: the KV-leak check after every test, GPU skipping, and cached engines."""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from framework.engine import Engine  # noqa: E402
+
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_original_init = Engine.__init__
+
+
+def _tracking_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    _ENGINES.add(self)
+
+
+Engine.__init__ = _tracking_init
+
+
+@pytest.fixture(autouse=True)
+def kv_slots_all_free():
+    """NOTE: the invariant every generation test relies on: once an engine has no work, every KV slot and
+    request row is free again."""
+    yield
+    for engine in list(_ENGINES):
+        if not engine.has_work():
+            engine.allocator.assert_all_free()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY = ["model=tiny_llama", "compile=eager"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """A shared eager tiny_llama engine (tests must leave it idle)."""
+    from framework import LLM
+
+    return LLM(TINY + ["scheduler.max_running_requests=8"])

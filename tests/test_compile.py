@@ -1,0 +1,61 @@
+"""compile=reduce_overhead on tiny_llama: identical greedy output to eager, padding to captured sizes.
+
+One compiled engine per page size for the module (compilation is the slow part on CI's two cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework import LLM
+from framework.batch import ForwardMode
+from tests.conftest import TINY
+from tests.test_engine import PROMPTS, reqs
+
+COMPILED = ["model=tiny_llama", "compile=reduce_overhead", "compile.batch_sizes=[1,2,4,8]",
+            "scheduler.max_running_requests=8"]
+
+
+@pytest.fixture(scope="module")
+def eager_outputs():
+    return [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=8"]).generate(reqs(20))]
+
+
+@pytest.fixture(scope="module", params=[1, 16])
+def compiled(request):
+    return LLM(COMPILED + [f"kv.page_size={request.param}"])
+
+
+def test_compiled_greedy_equals_eager(compiled, eager_outputs):
+    outs = compiled.generate(reqs(20))
+    assert [o.token_ids for o in outs] == eager_outputs
+    assert compiled.engine.runner.compiled
+
+
+def test_batches_are_padded_to_captured_sizes(compiled, eager_outputs):
+    runner = compiled.engine.runner
+    runner.graph_shapes.clear()
+    outs = compiled.generate(reqs(20)[:3])  # three requests decode as a padded batch of four
+    assert [o.token_ids for o in outs] == eager_outputs[:3]
+    assert (ForwardMode.DECODE, 4, 1) in runner.graph_shapes
+    assert all(bs in (1, 2, 4, 8) for _, bs, _ in runner.graph_shapes)
+
+
+def test_padding_keeps_the_callers_batch(compiled):
+    engine = compiled.engine
+    for p in PROMPTS[:3]:
+        engine.submit(engine.make_request({"prompt": p, "max_tokens": 4}))
+    engine.step()  # prefill
+    step = engine.scheduler.schedule()
+    batch = engine.scheduler.build_batch(step)
+    raw_sum, raw_lens = batch.seq_lens_sum, batch.seq_lens.clone()
+    padded = engine.runner.pad(batch)
+    assert (padded.bs, padded.padded_bs, batch.bs) == (3, 4, 3)
+    assert padded.seq_lens_sum == raw_sum + 1 and padded.seq_lens.shape[0] == 4
+    assert padded.req_pool_indices[-1].item() == 0 and padded.out_cache_loc[-1].item() == 0  # dummy row / slot
+    logits, _ = engine.runner.forward(batch)
+    assert logits.shape[0] == 3
+    assert batch.seq_lens_sum == raw_sum and torch.equal(batch.seq_lens, raw_lens) and batch.padded_bs == 3
+    engine.scheduler.process(step, logits.argmax(-1).tolist())
+    while engine.has_work():
+        engine.step()
