@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from framework.attention import ATTENTION_BACKENDS
+from framework.batch import ForwardMode
 from framework.config import Config
 from framework.kv import KVAllocator, KVPool
 from framework.model_runner import ModelRunner
@@ -82,10 +83,12 @@ class Engine:
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
-        self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests])
+        self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
+                                  self.device)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device)
+        self.runner.warmup(ForwardMode.DECODE, 1)
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s", self.startup_s,

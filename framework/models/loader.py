@@ -212,17 +212,19 @@ def random_args(cfg: ModelConfig) -> LlamaArgs:
 def random_tensors(model: LlamaForCausalLM, seed: int, init_std: float, logit_scale: float):
     """Yield seeded ``(name, weight)`` pairs: embeddings ~ N(0, 1), linears ~ N(0, init_std^2 / fan_in), the LM
     head scaled by ``logit_scale`` so that greedy decoding has clear logit margins, norms ~ 1 + N(0, 0.1^2).
-    Generated on the CPU one tensor at a time, so the weights are the same on every device."""
-    gen = torch.Generator().manual_seed(seed)
+    Drawn on the model's device (fast for 8B-shaped models); the same seed gives the same weights per device."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device).manual_seed(seed)
+    randn = lambda shape: torch.randn(shape, generator=gen, device=device)  # noqa: E731
     for name, p in model.named_parameters():
         if name == "embed_tokens.weight":
-            w = torch.randn(p.shape, generator=gen)
+            w = randn(p.shape)
         elif name == "lm_head.weight":
-            w = torch.randn(p.shape, generator=gen) * (logit_scale / p.shape[1] ** 0.5)
+            w = randn(p.shape) * (logit_scale / p.shape[1] ** 0.5)
         elif p.dim() == 1:
-            w = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            w = 1.0 + 0.1 * randn(p.shape)
         else:
-            w = torch.randn(p.shape, generator=gen) * (init_std / p.shape[1] ** 0.5)
+            w = randn(p.shape) * (init_std / p.shape[1] ** 0.5)
         yield name, w
 
 
