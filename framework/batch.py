@@ -55,7 +55,9 @@ class ForwardBatch:
     bs: int = 0
     padded_bs: int = 0
     seq_lens_sum: int = 0
-    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, q_len] bool among this forward's tokens
+    # [bs, q_len, mask_width] bool over each request's last mask_width keys (mask_width >= q_len; earlier keys are
+    # all visible); None: causal among this forward's tokens. Tree masks for TARGET_VERIFY / DRAFT_* modes.
+    custom_mask: Optional[torch.Tensor] = None
     sampling: Optional[SamplingBatch] = None
     spec: Any = None  # drafter / verifier state
     attn: Any = None  # attention-backend metadata, filled by AttentionBackend.init_metadata

@@ -100,17 +100,18 @@ class ModelRunner:
         dummy_tokens = torch.zeros(extra * q, dtype=torch.int64, device=dev)
         dummy_positions = torch.arange(q, device=dev).repeat(extra)  # the dummy sees only itself, at slot 0
         custom_mask = batch.custom_mask
-        if custom_mask is not None:
-            causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
-            custom_mask = torch.cat([custom_mask, causal.expand(extra, q, q)])
-        seq_lens_cpu = batch.seq_lens_cpu + [q] * extra
+        if custom_mask is not None:  # the dummy sees all of its keys (they are all its own, at slot 0)
+            width = custom_mask.shape[-1]
+            custom_mask = torch.cat([custom_mask, torch.ones(extra, q, width, dtype=torch.bool, device=dev)])
+        dummy_len = q if custom_mask is None else max(q, custom_mask.shape[-1])
+        seq_lens_cpu = batch.seq_lens_cpu + [dummy_len] * extra
         return batch.replace(
             input_ids=torch.cat([batch.input_ids, dummy_tokens]),
             positions=torch.cat([batch.positions, dummy_positions]),
             out_cache_loc=torch.cat([batch.out_cache_loc, torch.full_like(dummy_tokens, DUMMY_SLOT)]),
             req_pool_indices=torch.cat([batch.req_pool_indices,
                                         torch.full((extra,), DUMMY_ROW, dtype=torch.int64, device=dev)]),
-            seq_lens=torch.cat([batch.seq_lens, torch.full((extra,), q, dtype=torch.int64, device=dev)]),
+            seq_lens=torch.cat([batch.seq_lens, torch.full((extra,), dummy_len, dtype=torch.int64, device=dev)]),
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
             logits_index=torch.arange(padded_bs * q, device=dev),

@@ -33,7 +33,8 @@ def reference(q, keys, values, allowed):
 
 
 def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: ForwardMode, tree: bool,
-             name: str = "sdpa"):
+             name: str = "sdpa", mask_extra: int = 0):
+    """``tree``: a random custom mask over each request's last ``new + mask_extra`` keys (parents first)."""
     torch.manual_seed(page_size * 1000 + sum(prefix_lens) + len(new_lens))
     backend, alloc, pool = make_backend(page_size, name)
     rows = [alloc.alloc_request() for _ in prefix_lens]
@@ -50,10 +51,10 @@ def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: 
     v = torch.randn(total, KV_HEADS, DIM)
     custom = None
     if tree:
-        n = new_lens[0]
-        custom = torch.rand(len(rows), n, n) < 0.5
-        custom |= torch.eye(n, dtype=torch.bool)
-        custom &= torch.ones(n, n, dtype=torch.bool).tril()  # parents come before children
+        n, width = new_lens[0], new_lens[0] + mask_extra
+        custom = torch.rand(len(rows), n, width) < 0.5
+        custom[:, :, mask_extra:] |= torch.eye(n, dtype=torch.bool)
+        custom[:, :, mask_extra:] &= torch.ones(n, n, dtype=torch.bool).tril()  # parents come before children
     batch = ForwardBatch(mode=mode, input_ids=torch.zeros(total, dtype=torch.int64),
                          positions=torch.zeros(total, dtype=torch.int64), out_cache_loc=out_cache_loc,
                          req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(ends), seq_lens_cpu=ends,
@@ -64,8 +65,12 @@ def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: 
     for b, (row, p, n) in enumerate(zip(rows, prefix_lens, new_lens)):
         slots = alloc.req_to_token[row, : p + n]
         allowed = torch.zeros(n, p + n, dtype=torch.bool)
-        allowed[:, :p] = True
-        allowed[:, p:] = custom[b] if tree else torch.ones(n, n, dtype=torch.bool).tril()
+        if tree:
+            allowed[:, : p - mask_extra] = True
+            allowed[:, p - mask_extra:] = custom[b]
+        else:
+            allowed[:, :p] = True
+            allowed[:, p:] = torch.ones(n, n, dtype=torch.bool).tril()
         ref = reference(q[start:start + n], pool.k[0][slots], pool.v[0][slots], allowed)
         torch.testing.assert_close(out[start:start + n].double(), ref, rtol=1e-4, atol=1e-4)
         start += n
@@ -87,6 +92,12 @@ def test_decode(page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_verify_with_tree_mask(page_size):
     run_case(page_size, prefix_lens=[3, 17, 64], new_lens=[8] * 3, mode=ForwardMode.TARGET_VERIFY, tree=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_draft_step_mask_reaches_into_earlier_tokens(page_size):
+    run_case(page_size, prefix_lens=[12, 30], new_lens=[4, 4], mode=ForwardMode.DRAFT_DECODE, tree=True,
+             mask_extra=9)
 
 
 def test_key_width_is_bucketed():

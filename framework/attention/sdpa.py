@@ -41,22 +41,27 @@ def kv_width_bucket(max_len: int, limit: int) -> int:
 
 def build_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor, q_len: int, kv_width: int,
                custom_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[bs, 1, q_len, kv_width]`` bool: prefix keys, plus causal (or ``custom_mask``) among the new tokens.
+    """``[bs, 1, q_len, kv_width]`` bool: which keys each query token of each request may attend.
 
-    seq_lens, q_lens: ``[bs]`` int64 (KV length after this forward, new tokens). Query rows beyond a request's
+    seq_lens, q_lens: ``[bs]`` int64 (KV length after this forward, new tokens). Without ``custom_mask`` the new
+    tokens see the whole prefix and each other causally. ``custom_mask`` ``[bs, q_len, mask_width]`` (mask_width >=
+    q_len) decides for the last ``mask_width`` keys of each request (the speculative region: a tree's nodes, or
+    earlier draft steps' tokens plus this step's); keys before it are all visible. Query rows beyond a request's
     ``q_len`` (padding) attend key 0 only, so that no row is fully masked.
     """
     device = seq_lens.device
-    prefix = (seq_lens - q_lens)[:, None, None]  # [bs, 1, 1]
     t = torch.arange(q_len, device=device)[None, :, None]  # [1, q_len, 1]
     j = torch.arange(kv_width, device=device)[None, None, :]  # [1, 1, kv_width]
     if custom_mask is None:
+        prefix = (seq_lens - q_lens)[:, None, None]  # [bs, 1, 1]
         allowed = j <= prefix + t  # [bs, q_len, kv_width]
     else:
-        rel = j - prefix  # [bs, 1, kv_width] index among the new tokens
-        in_new = (rel >= 0) & (rel < q_len)
-        gathered = torch.gather(custom_mask, 2, rel.clamp(0, q_len - 1).expand(-1, q_len, -1))
-        allowed = (j < prefix) | (in_new & gathered)
+        width = custom_mask.shape[-1]
+        region = (seq_lens - width)[:, None, None]  # [bs, 1, 1] first key of the masked region
+        rel = j - region  # [bs, 1, kv_width]
+        in_region = (rel >= 0) & (rel < width)
+        gathered = torch.gather(custom_mask, 2, rel.clamp(0, width - 1).expand(-1, q_len, -1))
+        allowed = (j < region) | (in_region & gathered)
     valid_q = t < q_lens[:, None, None]  # [bs, q_len, 1]
     allowed = torch.where(valid_q, allowed, j == 0)
     return allowed[:, None]
