@@ -34,6 +34,9 @@ def hydra_main(cfg: DictConfig) -> int:
     logging.getLogger().setLevel(config.log_level)
     try:
         return JOBS.get(config.run.name)(config)
+    except ConfigError as err:  # a value that only the built engine can judge (e.g. a backend's device)
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     except ModelNotInstalled as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

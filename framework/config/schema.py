@@ -99,6 +99,11 @@ class RunConfig:
     output_file: Optional[str] = None
     metrics_file: Optional[str] = None
     progress: bool = True
+    # run=server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <api_key>"
+    served_model_name: Optional[str] = None  # the model id in /v1/models (default: model.name)
 
 
 @dataclass
