@@ -2,6 +2,6 @@
 
 from framework.registry import Registry
 
-JOBS: Registry = Registry("job", lazy={"generate": "framework.jobs.generate"})
+JOBS: Registry = Registry("job", lazy={"generate": "framework.jobs.generate", "server": "framework.jobs.server"})
 
 __all__ = ["JOBS"]

@@ -1,0 +1,284 @@
+"""The engine loop: one thread that owns the Engine and serves every HTTP request through it.
+
+HTTP handlers (on the asyncio event loop) put commands on a thread-safe queue: submit a request, abort one.
+The loop thread takes all queued commands, runs one ``engine.step()`` (continuous batching across HTTP
+requests), and hands each live request's news (text deltas, the finish, errors) back to its ``asyncio.Queue``
+with ``call_soon_threadsafe``: one call per event loop per iteration. With no work it blocks on the queue.
+
+NOTE: the Engine is constructed inside the loop thread: torch.compile's CUDA-graph trees are thread-local, and
+the warm-up compilation happens in ``Engine.__init__``. Nothing outside this thread touches the engine's state
+while the loop runs (reading a counter for a health check or a test is fine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from framework.request import Request
+from framework.sampling import RequestError
+from framework.server.metrics import ServerMetrics
+from framework.server.protocol import APIError, ParsedRequest, param_of
+from framework.server.stream import TextDeltas
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """What the loop tells a request's handler: "accepted", "delta" (streaming text), "finish" or "error"."""
+
+    kind: str
+    text: str = ""  # delta: the new text; finish: the rest of the text (streaming) or all of it
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Optional[APIError] = None
+
+
+@dataclass
+class AbortRecord:
+    """A client-side abort: the loop's step count when it was asked for and when the KV was freed."""
+
+    rid: str
+    requested_at_step: int
+    freed_at_step: int
+    num_output_tokens: int
+
+
+@dataclass
+class _Submission:
+    rid: str
+    parsed: ParsedRequest
+    events: asyncio.Queue
+    aloop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Live:
+    sub: _Submission
+    request: Request
+    deltas: Optional[TextDeltas]  # streaming requests only
+    num_tokens_seen: int = 0
+
+
+@dataclass
+class _Outbox:
+    items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = field(default_factory=dict)
+
+    def add(self, sub: _Submission, event: Event) -> None:
+        self.items.setdefault(sub.aloop, []).append((sub.events, event))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
+
+
+class EngineLoop:
+    """Runs ``build_engine()`` and then the serving loop in a background thread; see the module docstring."""
+
+    def __init__(self, build_engine: Callable[[], Any], metrics: Optional[ServerMetrics] = None) -> None:
+        self._build_engine = build_engine
+        self.metrics = metrics or ServerMetrics()
+        self.engine: Any = None
+        self.num_steps = 0
+        self.abort_log: collections.deque[AbortRecord] = collections.deque(maxlen=256)
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._outbox = _Outbox()
+        self._ready = threading.Event()
+        self._dead = False
+        self._startup_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- control (any thread) -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread and wait until the engine is built; re-raise the error if building failed."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fail the live requests ("server is shutting down") and end the thread."""
+        if self._thread.is_alive():
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    # ---- requests (the asyncio event loop) ----------------------------------------------------------------
+    def submit(self, rid: str, parsed: ParsedRequest) -> asyncio.Queue:
+        """Queue a request; its events arrive on the returned queue, the first being "accepted" or "error"."""
+        events: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("submit", _Submission(rid, parsed, events, asyncio.get_running_loop())))
+        if self._dead:  # NOTE: set before the loop's last drain, so a command put after that drain is seen here
+            raise APIError("the engine loop is not running", status=503, type="server_error")
+        return events
+
+    def abort(self, rid: str) -> None:
+        """Abort a request whose client went away; its KV is freed before the next engine step."""
+        self._commands.put(("abort", (rid, self.num_steps)))
+
+    # ---- the loop (engine thread) -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._build_engine()
+        except BaseException as err:  # noqa: BLE001 - handed to start()'s caller
+            self._startup_error = err
+            self._dead = True
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while self._take_commands(block=not self.engine.has_work()):
+                self._flush()
+                if self.engine.has_work():
+                    self._step()
+                    self._publish()
+                    self._flush()
+                self._update_load()
+        except BaseException:
+            log.exception("the engine loop failed")
+        finally:
+            self._shutdown()
+
+    def _take_commands(self, block: bool) -> bool:
+        """Handle every queued command (waiting for one if ``block``); False once asked to stop."""
+        while True:
+            try:
+                kind, payload = self._commands.get() if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self._admit(payload)
+            elif kind == "abort":
+                self._abort(*payload)
+
+    def _admit(self, sub: _Submission) -> None:
+        engine = self.engine
+        try:
+            req = engine.make_request(sub.parsed.item, rid=sub.rid)
+            limit, num_prompt = sub.parsed.max_tokens, len(req.prompt_ids)
+            if limit is not None and num_prompt + limit > engine.max_context:
+                raise APIError(f"max_tokens={limit} is too large: the prompt has {num_prompt} tokens and the "
+                               f"context window is {engine.max_context} tokens, so max_tokens can be at most "
+                               f"{engine.max_context - num_prompt}", param="max_tokens")
+        except RequestError as err:
+            self._reject(sub, APIError(str(err), param=param_of(str(err), sub.parsed.prompt_field)))
+            return
+        except APIError as err:
+            self._reject(sub, err)
+            return
+        except Exception as err:  # noqa: BLE001 - e.g. a chat template that refuses the messages
+            log.exception("could not prepare request %s", sub.rid)
+            self._reject(sub, APIError(f"could not prepare the request: {err}", param=sub.parsed.prompt_field))
+            return
+        engine.submit(req)
+        self._live[sub.rid] = _Live(sub, req, TextDeltas(req.params.stop) if sub.parsed.stream else None)
+        self.metrics.on_accept(len(req.prompt_ids))
+        self._outbox.add(sub, Event("accepted", prompt_tokens=len(req.prompt_ids)))
+
+    def _reject(self, sub: _Submission, error: APIError) -> None:
+        self.metrics.on_reject(error.status)
+        self._outbox.add(sub, Event("error", error=error))
+
+    def _abort(self, rid: str, requested_at_step: int) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:  # it finished (and was answered) already
+            return
+        self.engine.abort(rid)
+        self.metrics.on_finish(live.request)
+        self.abort_log.append(AbortRecord(rid, requested_at_step, self.num_steps, len(live.request.output_ids)))
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001 - every accepted request still gets an answer
+            log.exception("engine step failed; failing its %d live requests", len(self._live))
+            self._fail_all(APIError("the engine failed while generating; see the server log", status=500,
+                                    type="server_error"))
+        self.num_steps += 1
+
+    def _publish(self) -> None:
+        """Queue each live request's news: new streaming text, or its finish."""
+        new_tokens = 0
+        for rid, live in list(self._live.items()):
+            req = live.request
+            num_tokens = len(req.output_ids)
+            new_tokens += max(0, num_tokens - live.num_tokens_seen)
+            grew, live.num_tokens_seen = num_tokens != live.num_tokens_seen, num_tokens
+            if req.finished:
+                del self._live[rid]
+                self._finish(live)
+            elif grew and live.deltas is not None:
+                delta = live.deltas.update(self.engine.detokenize(req.output_ids))
+                if delta:
+                    self._outbox.add(live.sub, Event("delta", text=delta))
+        self.metrics.on_tokens(new_tokens)
+
+    def _finish(self, live: _Live) -> None:
+        req = live.request
+        self.metrics.on_finish(req)
+        if req.finish_reason not in ("stop", "length"):  # the engine ended it ("abort", "error") on its own
+            self._outbox.add(live.sub, Event("error", error=APIError(
+                f"the request ended with finish_reason={req.finish_reason!r}", status=500, type="server_error")))
+            return
+        text = self.engine.output(req).text
+        if live.deltas is not None:
+            text = live.deltas.finish(text)
+        self._outbox.add(live.sub, Event("finish", text=text, finish_reason=req.finish_reason,
+                                         prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))
+
+    def _fail_all(self, error: APIError) -> None:
+        for rid, live in list(self._live.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the client must hear back regardless
+                log.exception("could not abort request %s", rid)
+            self.metrics.on_finish(live.request)
+            self._outbox.add(live.sub, Event("error", error=error))
+        self._live.clear()
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, _Outbox()
+        for aloop, items in outbox.items.items():
+            try:
+                aloop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: its clients are gone
+                log.warning("dropping %d events for a closed event loop", len(items))
+
+    def _update_load(self) -> None:
+        scheduler, allocator = self.engine.scheduler, self.engine.allocator
+        total = allocator.num_pages * allocator.page_size
+        self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),
+                              allocator.num_used_slots / total if total else 0.0)
+
+    def _shutdown(self) -> None:
+        self._dead = True
+        stopping = APIError("the server is shutting down", status=503, type="server_error")
+        if self.engine is not None:
+            self._fail_all(stopping)
+        while True:  # answer whatever is still queued
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._outbox.add(payload, Event("error", error=stopping))
+        self._flush()

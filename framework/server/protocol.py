@@ -1,0 +1,176 @@
+"""OpenAI request bodies: parsing and validation into the engine's request dict, and OpenAI-style errors.
+
+Everything here runs on the HTTP side and needs no engine: sampling fields are checked with the same
+:class:`~framework.sampling.SamplingParams` validation that ``Engine.make_request`` applies (so the messages are
+the same), and the checks that need the tokenized prompt (context window) happen in the engine loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from framework.config import SamplingConfig
+from framework.sampling import RequestError, SamplingParams
+
+
+class APIError(Exception):
+    """An error for the client: HTTP ``status`` and an OpenAI-style body naming the bad ``param``."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# sampling fields a request may set; top_k, ignore_eos and stop_token_ids are extensions to the OpenAI API
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stop_token_ids")
+
+# OpenAI fields this server does not implement: accepted only with a value that asks for nothing
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "functions": (None, []),
+}
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request: ``item`` goes to ``Engine.make_request``; the rest shapes the response."""
+
+    kind: str  # "completion" | "chat"
+    item: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: Optional[int]  # as the client gave it (None: the config's default, clamped to the context)
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise APIError(f"the request body is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    except UnicodeDecodeError:
+        raise APIError("the request body is not valid UTF-8 JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def param_of(message: str, prompt_field: str) -> Optional[str]:
+    """The request field a :class:`RequestError` message is about (its messages start with the field's name)."""
+    match = re.match(r"(\w+)=", message)
+    if match and match.group(1) in SAMPLING_FIELDS:
+        return match.group(1)
+    if message.startswith(("prompt", "messages")):
+        return prompt_field
+    return None
+
+
+def parse_completion(body: dict[str, Any], served_model: str, defaults: SamplingConfig) -> ParsedRequest:
+    """Validate a /v1/completions body."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("prompt is required: a string", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise APIError("prompt must be one string; lists of prompts and token-id prompts are not supported "
+                       "(send one request per prompt)", param="prompt")
+    if not isinstance(prompt, str):
+        raise APIError(f"prompt must be a string, got {_json_type(prompt)}", param="prompt")
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    return _parse_common(body, "completion", {"prompt": prompt}, served_model, defaults)
+
+
+def parse_chat(body: dict[str, Any], served_model: str, defaults: SamplingConfig) -> ParsedRequest:
+    """Validate a /v1/chat/completions body; message content may be a string or a list of text parts."""
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError("messages is required: a non-empty list of {\"role\": str, \"content\": str}",
+                       param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(f"messages must be a non-empty list of {{\"role\": str, \"content\": str}}, got "
+                       f"{_json_type(messages)}", param="messages")
+    plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        body = dict(body, max_tokens=body["max_completion_tokens"])
+    return _parse_common(body, "chat", {"messages": plain}, served_model, defaults)
+
+
+def _plain_message(message: Any, index: int) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise APIError(f"{where} must be an object with \"role\" and \"content\", got {_json_type(message)}",
+                       param="messages")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise APIError(f"{where}.role must be a non-empty string, got {_json_type(role)}", param="messages")
+    if isinstance(content, list):  # [{"type": "text", "text": "..."}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": str}}) are "
+                           f"supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(f"{where}.content must be a string or a list of text parts, got {_json_type(content)}",
+                       param="messages")
+    return {"role": role, "content": content}
+
+
+def _parse_common(body: dict[str, Any], kind: str, item: dict[str, Any], served_model: str,
+                  defaults: SamplingConfig) -> ParsedRequest:
+    model = body.get("model")
+    if model is not None and model != served_model:
+        shown = model if isinstance(model, str) else _json_type(model)
+        raise APIError(f"model={shown!r} is not served here; the model is {served_model!r}", param="model")
+    n = body.get("n")
+    if n is not None and n != 1:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise APIError(f"n={n!r} is not allowed; expected 1", param="n")
+        raise APIError(f"n={n} is not supported; this server returns one choice per request (n=1)", param="n")
+    for name, allowed in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value not in allowed:  # NOTE: == comparison, so 0.0 counts as 0 and False as 0
+            raise APIError(f"{name}={value!r} is not supported by this server", param=name)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(f"stream={stream!r} is not allowed; expected true or false", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise APIError(f"stream_options={options!r} is not allowed; expected {{\"include_usage\": bool}}",
+                       param="stream_options")
+    item.update({k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
+    try:
+        SamplingParams.from_request(defaults, dict(item))
+    except RequestError as err:
+        raise APIError(str(err), param=param_of(str(err), "messages" if kind == "chat" else "prompt")) from None
+    return ParsedRequest(kind=kind, item=item, model=served_model, stream=bool(stream),
+                         include_usage=bool(options and options.get("include_usage")),
+                         max_tokens=item.get("max_tokens"))
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
