@@ -11,13 +11,15 @@ import torch
 
 from framework.attention import ATTENTION_BACKENDS
 from framework.batch import ForwardMode
-from framework.config import Config
+from framework.config import Config, ConfigError
 from framework.kv import KVAllocator, KVPool
 from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
 from framework.request import Request, RequestOutput
 from framework.sampling import RequestError, SamplingParams, sample
-from framework.scheduler import Scheduler
+from framework.scheduler import ScheduledStep, Scheduler
+from framework.speculative import DRAFTERS
+from framework.speculative.worker import SpecWorker, spec_kv_width
 from framework.tokenizer import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,14 +70,17 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
         args = self.model.args
-        sc = config.scheduler
-        self.max_context = min(sc.max_context, args.max_position_embeddings)
-        num_tokens = config.kv.max_total_tokens or sc.max_running_requests * self.max_context
-        if num_tokens < self.max_context:
-            raise ValueError(f"kv.max_total_tokens={num_tokens} is smaller than the context window "
-                             f"{self.max_context}; one full-length request must fit")
-        self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests, self.max_context,
-                                     self.device)
+        sc, spec = config.scheduler, config.speculative
+        # NOTE: speculation writes up to spec_width positions past a request's committed length, so the context
+        # window leaves room for them inside the model's positions and the req_to_token table is that much wider
+        self.spec_width = spec_kv_width(spec) if spec.name != "none" else 0
+        self.max_context = min(sc.max_context, args.max_position_embeddings - self.spec_width)
+        num_tokens = config.kv.max_total_tokens or sc.max_running_requests * (self.max_context + self.spec_width)
+        if num_tokens < self.max_context + self.spec_width:
+            raise ConfigError(f"kv.max_total_tokens={num_tokens} is not allowed; one full-length request needs "
+                              f"{self.max_context + self.spec_width} tokens")
+        self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
+                                     self.max_context + self.spec_width, self.device)
         self.pool = KVPool(args.num_layers, self.allocator.num_slots, args.num_kv_heads, args.head_dim, self.dtype,
                            self.device)
         self.backend = ATTENTION_BACKENDS.build(config.attention.name, self.pool, self.allocator, args.num_heads,
@@ -87,8 +92,14 @@ class Engine:
                                   self.device)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
-        self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device)
+        self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,
+                                   reserve_tokens=self.spec_width)
+        self.drafter = DRAFTERS.build(spec.name, self, spec)
+        self.spec_worker = SpecWorker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
+        if self.spec_worker is not None:
+            self.runner.warmup(ForwardMode.TARGET_VERIFY, spec.num_draft_tokens)
+            self.drafter.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s", self.startup_s,
@@ -143,8 +154,14 @@ class Engine:
         text = self.detokenize(req.output_ids)
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
+        spec = None
+        if self.spec_worker is not None:
+            steps = req.spec_verify_steps
+            spec = {"num_verify_steps": steps,
+                    "mean_accept_len": round(req.spec_accepted_tokens / steps, 4) if steps else 0.0}
         return RequestOutput(id=req.rid, text=text, token_ids=list(req.output_ids),
-                             finish_reason=req.finish_reason or "abort", num_prompt_tokens=len(req.prompt_ids))
+                             finish_reason=req.finish_reason or "abort", num_prompt_tokens=len(req.prompt_ids),
+                             spec=spec)
 
     # ---- the loop -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -155,15 +172,25 @@ class Engine:
             return []
         if self.stats.first_admit_s is None:
             self.stats.first_admit_s = time.perf_counter()
-        batch = self.scheduler.build_batch(step)
-        logits, _ = self.runner.forward(batch)
-        tokens = sample(logits, batch.sampling).tolist()
+        before = sum(len(r.output_ids) for r in step.reqs)
+        if step.mode is ForwardMode.DECODE and self.spec_worker is not None:
+            finished = self.spec_worker.step(step)
+        else:
+            finished = self.plain_step(step)
         self.stats.num_forwards += 1
-        self.stats.num_output_tokens += sum(step.samples)
-        finished = self.scheduler.process(step, tokens)
+        self.stats.num_output_tokens += sum(len(r.output_ids) for r in step.reqs) - before
         if finished:
             self.stats.last_finish_s = time.perf_counter()
         return finished
+
+    def plain_step(self, step: ScheduledStep) -> list[Request]:
+        """One target forward for the step (prefill or decode), sample, apply; returns finished requests."""
+        batch = self.scheduler.build_batch(step)
+        logits, hidden = self.runner.forward(batch)
+        tokens = sample(logits, batch.sampling).tolist()
+        if step.mode is ForwardMode.EXTEND and self.drafter is not None:
+            self.drafter.on_prefill(batch, step, hidden, tokens)
+        return self.scheduler.process(step, tokens)
 
     def generate(self, items: Iterable[dict[str, Any]],
                  on_finish: Optional[Callable[[RequestOutput], None]] = None) -> list[RequestOutput]:

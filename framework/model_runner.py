@@ -121,7 +121,7 @@ class ModelRunner:
         )
 
     def forward(self, batch: ForwardBatch, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[len(batch.logits_index), vocab]`` (float32) and hidden states of the same rows.
+        """Logits ``[len(batch.logits_index), vocab]`` (float32) and hidden states ``[num_tokens, hidden]``.
 
         In uniform modes ``batch.logits_index`` must select every token (rows in token order).
         """
@@ -139,5 +139,4 @@ class ModelRunner:
         torch.compiler.cudagraph_mark_step_begin()
         logits, hidden = self._compiled_forward(padded.input_ids, padded.positions, padded.attn,
                                                 padded.logits_index, layer_ids)
-        rows = batch.logits_index.shape[0]
-        return logits[:rows], hidden[:rows]
+        return logits[: batch.logits_index.shape[0]], hidden[: batch.input_ids.shape[0]]

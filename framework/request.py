@@ -25,7 +25,8 @@ class Request:
     first_token_s: Optional[float] = None
     finish_s: Optional[float] = None
     spec_verify_steps: int = 0
-    spec_accepted_tokens: int = 0
+    spec_accepted_tokens: int = 0  # tokens emitted by verify steps, bonus included
+    drafter_state: Any = None  # the drafter's per-request state (n-gram index, draft KV length, ...)
 
     @property
     def seq_len(self) -> int:

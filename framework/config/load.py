@@ -60,7 +60,6 @@ def validate(config: Config) -> None:
     """Check every value users can set; raise :class:`ConfigError` with one line for the first bad one."""
     from framework.attention import ATTENTION_BACKENDS
     from framework.jobs import JOBS
-    from framework.speculative import DRAFTERS
 
     m = config.model
     _choice("model.source", m.source, ["random", "gguf", "gguf_package", "hf"])
@@ -88,17 +87,49 @@ def validate(config: Config) -> None:
     _check("sampling.temperature", s.temperature, s.temperature >= 0, "a number >= 0")
     _check("sampling.top_p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]")
     _check("sampling.top_k", s.top_k, s.top_k >= -1, "0 or -1 (off) or an integer >= 1")
-    sp = config.speculative
-    _choice("speculative.name", sp.name, DRAFTERS.names())
-    _check("speculative.num_steps", sp.num_steps, sp.num_steps >= 0, "an integer >= 0")
-    _check("speculative.topk", sp.topk, sp.topk >= 1, "an integer >= 1")
-    _check("speculative.num_draft_tokens", sp.num_draft_tokens, sp.num_draft_tokens >= 0, "0 (auto) or >= 2")
+    validate_speculative(config)
     sc = config.scheduler
     _check("scheduler.max_running_requests", sc.max_running_requests, sc.max_running_requests >= 1, "an integer >= 1")
     _check("scheduler.max_context", sc.max_context, sc.max_context >= 2, "an integer >= 2")
     _check("scheduler.max_prefill_tokens", sc.max_prefill_tokens, sc.max_prefill_tokens >= 1, "an integer >= 1")
     _choice("run.name", config.run.name, JOBS.names())
     _choice("log_level", config.log_level, ["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def validate_speculative(config: Config) -> None:
+    """Check the drafter's settings and resolve ``num_draft_tokens`` (0 = auto) in place."""
+    from framework.speculative import DRAFTERS
+
+    sp = config.speculative
+    _choice("speculative.name", sp.name, DRAFTERS.names())
+    if sp.name == "none":
+        return
+    _check("speculative.num_steps", sp.num_steps, sp.num_steps >= 1, "an integer >= 1 for a drafter")
+    _check("speculative.topk", sp.topk, sp.topk >= 1, "an integer >= 1")
+    if sp.num_draft_tokens == 0:
+        sp.num_draft_tokens = sp.num_steps + 1 if sp.topk == 1 else 1 + sp.topk * sp.num_steps
+    if sp.topk == 1:
+        _check("speculative.num_draft_tokens", sp.num_draft_tokens, sp.num_draft_tokens == sp.num_steps + 1,
+               f"num_steps + 1 = {sp.num_steps + 1} for a chain (topk=1), or 0")
+    else:
+        most = sp.topk + (sp.num_steps - 1) * sp.topk * sp.topk + 1  # root + every candidate a tree build makes
+        _check("speculative.num_draft_tokens", sp.num_draft_tokens,
+               sp.num_steps + 1 <= sp.num_draft_tokens <= most, f"an integer in [{sp.num_steps + 1}, {most}]")
+    _check("speculative.ngram_min", sp.ngram_min, 1 <= sp.ngram_min <= sp.ngram_max, "1 <= ngram_min <= ngram_max")
+    _check("speculative.exit_layer", sp.exit_layer, sp.exit_layer >= 0, "0 (default) or a layer count >= 1")
+    if sp.name == "draft_model":
+        _check("speculative.draft_model", sp.draft_model, bool(sp.draft_model), "the name of a conf/model option")
+        _choice("speculative.draft_model", sp.draft_model, sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+
+
+def model_option(name: str) -> "ModelConfig":
+    """The ModelConfig of ``conf/model/<name>.yaml`` (for a draft model), validated like the main model's."""
+    from framework.config.schema import ModelConfig
+
+    node = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
+    node.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
+    return _build(ModelConfig, OmegaConf.to_container(merged, resolve=True))
 
 
 def compose(overrides: list[str] | None = None) -> Config:

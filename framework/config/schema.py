@@ -79,10 +79,17 @@ class SamplingConfig:
 
 @dataclass
 class SpeculativeConfig:
-    name: str = "none"
-    num_steps: int = 0
-    topk: int = 1
-    num_draft_tokens: int = 0  # 0: num_steps + 1 (a chain)
+    name: str = "none"  # the drafter: none | ngram | layer_skip | draft_model | eagle
+    num_steps: int = 0  # draft depth
+    topk: int = 1  # branching per step (1 = a chain)
+    num_draft_tokens: int = 0  # tree budget including the root; 0: num_steps + 1 (chain) / 1 + topk * num_steps
+    ngram_min: int = 1  # ngram: shortest suffix looked up
+    ngram_max: int = 4  # ngram: longest suffix looked up
+    exit_layer: int = 0  # layer_skip: draft with layers [0, exit_layer) (0: the model's default)
+    skip_layers: list[int] = field(default_factory=list)  # layer_skip: or skip these layers instead
+    draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer
+    checkpoint: Optional[str] = None  # eagle: a safetensors file with the head's weights (random when unset)
+    seed: int = 0  # eagle: seed of a random-initialised head
 
 
 @dataclass

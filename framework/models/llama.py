@@ -154,13 +154,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, logits_index: torch.Tensor,
                 layer_ids: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns logits ``[m, vocab]`` (float32) and final-norm hidden states ``[m, hidden]`` of the rows
-        ``logits_index``. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
+        """Returns logits ``[m, vocab]`` (float32) of the rows ``logits_index`` and the final-norm hidden states
+        ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
         x = self.embed_tokens(input_ids)  # [n, hidden]
         cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
         sin = self.rope_sin[positions][:, None, :]
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
         for layer in layers:
             x = layer(x, cos, sin, meta)
-        hidden = self.norm(x[logits_index])  # [m, hidden]
-        return self.lm_head(hidden).float(), hidden
+        hidden = self.norm(x)  # [n, hidden]
+        return self.lm_head(hidden[logits_index]).float(), hidden

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from framework.registry import Registry
 
-DRAFTERS: Registry = Registry("drafter", lazy={})
+DRAFTERS: Registry = Registry("drafter", lazy={
+    "ngram": "framework.speculative.ngram",
+})
 
 
 @DRAFTERS.register("none")

@@ -1,0 +1,75 @@
+"""Drafter interface and the DraftTree it proposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from framework.batch import ForwardBatch
+    from framework.request import Request
+    from framework.scheduler import ScheduledStep
+
+
+@dataclass
+class DraftTree:
+    """A draft tree per request, ``n`` = num_draft_tokens nodes, node 0 the root (the last emitted token).
+
+    Parents come before children. Chains are trees with ``parents[i] = i - 1``.
+    """
+
+    tokens: torch.Tensor  # [bs, n] int64
+    parents: torch.Tensor  # [bs, n] int64, -1 for the root
+    depths: torch.Tensor  # [bs, n] int64, 0 for the root
+    valid: torch.Tensor  # [bs, n] bool: padding nodes are False and never accepted
+    # [bs, n, vocab]: the distribution node i's children were *sampled* from (q for rejection sampling);
+    # None when children were chosen deterministically (top-k, n-gram lookup): verification then uses q = one-hot
+    draft_probs: Optional[torch.Tensor] = None
+
+    @property
+    def bs(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class SpecContext:
+    """What a drafter gets for one iteration: the requests, their committed lengths and the iteration's slots."""
+
+    reqs: list["Request"]
+    kv_lens: list[int]  # [bs] committed target KV length L; the root token sits at position L
+    slots: torch.Tensor  # [bs, width] slots of row positions L .. L + width - 1 (device)
+    roots: torch.Tensor  # [bs] int64 root tokens (device)
+    sampling: Any  # SamplingBatch for the requests
+
+
+class Drafter:
+    """Proposes draft trees; keeps whatever state it needs across iterations.
+
+    ``scratch_width``: KV positions (from L on) the drafter writes while drafting, beyond the verify tree.
+    """
+
+    name = "base"
+    scratch_width = 0
+    max_children = 1  # siblings per node in the proposed trees (topk for tree drafters)
+
+    def on_prefill(self, batch: "ForwardBatch", step: "ScheduledStep", hidden: torch.Tensor,
+                   tokens: list[int]) -> None:
+        """After a target EXTEND forward (``hidden`` [num_tokens, hidden], ``tokens`` sampled per request)."""
+
+    def warmup(self) -> None:
+        """Compile the drafter's own graphs ahead of serving (model drafters)."""
+
+    def propose(self, ctx: SpecContext) -> "DraftTree | None":
+        """The draft tree for ``ctx.reqs``, or None when nothing could be drafted for any of them."""
+        raise NotImplementedError
+
+    def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
+                  hidden: torch.Tensor, new_roots: list[int]) -> None:
+        """After verification: ``accept_index[b]`` = accepted path nodes (root first), ``hidden`` the target's
+        ``[bs * n, hidden]`` states over the tree, ``new_roots[b]`` the bonus token (the next root)."""

@@ -1,0 +1,101 @@
+"""``speculative=ngram``: train-free prompt lookup. Each request keeps an index from its n-grams (sizes
+``ngram_min .. ngram_max``) to where they occurred in prompt + output; the tokens that followed the longest
+matching suffix are the draft. A chain takes the most recent match; a tree (topk > 1) merges the continuations
+of several matches into a trie and keeps the most frequent nodes. No model forward."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from framework.config import SpeculativeConfig
+from framework.request import Request
+from framework.speculative import DRAFTERS
+from framework.speculative.base import DraftTree, Drafter, SpecContext
+
+
+class NgramIndex:
+    """n-gram -> positions where the token after it sits, kept up to date as tokens are appended."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.tables: dict[int, dict[tuple, list[int]]] = {n: defaultdict(list) for n in range(min_n, max_n + 1)}
+
+    def sync(self, tokens: list[int]) -> None:
+        """Index the tokens appended since the last call (``tokens`` extends the indexed sequence)."""
+        for t in range(len(self.tokens), len(tokens)):
+            self.tokens.append(tokens[t])
+            for n in range(self.min_n, min(self.max_n, t + 1) + 1):
+                self.tables[n][tuple(self.tokens[t + 1 - n: t + 1])].append(t + 1)
+
+    def continuations(self, max_len: int, max_matches: int) -> list[list[int]]:
+        """Continuations of the longest suffix that occurred before, most recent first."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            starts = self.tables[n].get(tuple(self.tokens[end - n:]), [])
+            conts = [self.tokens[s: s + max_len] for s in reversed(starts) if s < end][:max_matches]
+            if conts:
+                return conts
+        return []
+
+
+def trie_nodes(conts: list[list[int]], budget: int, max_children: int) -> list[tuple[int, int, int]]:
+    """Pick up to ``budget`` trie nodes (token, parent node index, depth), parents first, at most
+    ``max_children`` children a node, preferring nodes that more continuations pass through."""
+    stats: dict[tuple, list[int]] = {}  # path -> [count, first seen]
+    for rank, cont in enumerate(conts):
+        for d in range(1, len(cont) + 1):
+            entry = stats.setdefault(tuple(cont[:d]), [0, rank])
+            entry[0] += 1
+    order = sorted(stats, key=lambda path: (-stats[path][0], len(path), stats[path][1]))
+    index: dict[tuple, int] = {(): 0}
+    children: dict[int, int] = defaultdict(int)
+    nodes: list[tuple[int, int, int]] = []
+    for path in order:
+        parent = index.get(path[:-1])
+        if parent is None or children[parent] >= max_children:
+            continue
+        children[parent] += 1
+        nodes.append((path[-1], parent, len(path)))
+        index[path] = len(nodes)
+        if len(nodes) == budget:
+            break
+    return nodes
+
+
+@DRAFTERS.register("ngram")
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, engine, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+        self.max_children = cfg.topk
+        self.device = engine.device
+
+    def _index(self, req: Request) -> NgramIndex:
+        if req.drafter_state is None:
+            req.drafter_state = NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max)
+        req.drafter_state.sync(req.prompt_ids + req.output_ids)
+        return req.drafter_state
+
+    def propose(self, ctx: SpecContext) -> DraftTree | None:
+        n, steps, k = self.cfg.num_draft_tokens, self.cfg.num_steps, self.cfg.topk
+        rows = []
+        for req in ctx.reqs:
+            conts = self._index(req).continuations(steps, max_matches=1 if k == 1 else 4 * k)
+            rows.append(trie_nodes(conts, n - 1, k))
+        if not any(rows):
+            return None  # nothing to verify: the worker runs a plain decode step
+        tokens = [[0] * n for _ in rows]
+        parents = [[-1] + [0] * (n - 1) for _ in rows]
+        depths = [[0] + [1] * (n - 1) for _ in rows]
+        valid = [[True] + [False] * (n - 1) for _ in rows]
+        for b, nodes in enumerate(rows):
+            for i, (token, parent, depth) in enumerate(nodes, start=1):
+                tokens[b][i], parents[b][i], depths[b][i], valid[b][i] = token, parent, depth, True
+        packed = torch.tensor([tokens, parents, depths, valid], dtype=torch.int64).to(self.device)
+        tokens_t = packed[0].clone()
+        tokens_t[:, 0] = ctx.roots
+        return DraftTree(tokens=tokens_t, parents=packed[1], depths=packed[2], valid=packed[3].bool())

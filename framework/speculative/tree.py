@@ -1,0 +1,66 @@
+"""Tree utilities: chains, ancestor masks, children tables, and the top-k tree build of model drafters."""
+
+from __future__ import annotations
+
+import torch
+
+from framework.speculative.base import DraftTree
+
+
+def chain_tree(tokens: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """tokens / valid ``[bs, n]`` (root first) as a chain."""
+    bs, n = tokens.shape
+    idx = torch.arange(n, device=tokens.device)
+    return DraftTree(tokens=tokens, parents=(idx - 1).expand(bs, n).contiguous(), depths=idx.expand(bs, n).contiguous(),
+                     valid=valid, draft_probs=draft_probs)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """``[bs, n, n]`` bool: node i may attend node j iff j is i or one of its ancestors (parents[:, i] < i)."""
+    bs, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(bs, n, n)
+    mask = eye.clone()
+    parent_rows = parents.clamp(min=0)
+    for _ in range(n - 1):  # each pass inherits the parent's row; depth <= n - 1
+        inherited = torch.gather(mask, 1, parent_rows[:, :, None].expand(bs, n, n))
+        mask = eye | (inherited & (parents >= 0)[:, :, None])
+    return mask
+
+
+def children_table(parents: torch.Tensor, valid: torch.Tensor, max_children: int) -> torch.Tensor:
+    """``[bs, n, max_children]`` int64: the valid children of every node in index order, -1 padded."""
+    bs, n = parents.shape
+    i = torch.arange(n, device=parents.device)
+    same = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :] & (i[None, None, :] < i[None, :, None])
+    rank = same.sum(-1)  # [bs, n]: earlier valid siblings
+    keep = valid & (parents >= 0) & (rank < max_children)
+    table = torch.full((bs, n * max_children + 1), -1, dtype=torch.int64, device=parents.device)
+    flat = torch.where(keep, parents.clamp(min=0) * max_children + rank, n * max_children)  # dump slot at the end
+    table.scatter_(1, flat, i.expand(bs, n).clone())
+    return table[:, :-1].view(bs, n, max_children)
+
+
+def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+                cand_scores: torch.Tensor, cand_depths: torch.Tensor, num_nodes: int) -> DraftTree:
+    """Keep the best ``num_nodes - 1`` candidates by cumulative score and build the tree (root + them).
+
+    cand_*: ``[bs, C]``, candidates in creation order; ``cand_parents`` indexes candidates (-1 = the root).
+    A child's score never exceeds its parent's (log-probabilities add up), and ties keep creation order, so the
+    kept set is closed under parents; sorting kept indices ascending puts parents before children.
+    """
+    bs, c = cand_tokens.shape
+    k = num_nodes - 1
+    # stable top-k: on equal scores the earlier (parent-side) candidate wins
+    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]
+    kept = torch.sort(order, dim=1).values  # [bs, k] candidate ids in creation order
+    position = torch.full((bs, c), -1, dtype=torch.int64, device=roots.device)
+    position.scatter_(1, kept, torch.arange(1, k + 1, device=roots.device).expand(bs, k).contiguous())
+    cand_parent = torch.gather(cand_parents, 1, kept)  # [bs, k] candidate id or -1
+    node_parent = torch.where(cand_parent >= 0, torch.gather(position, 1, cand_parent.clamp(min=0)),
+                              torch.zeros_like(cand_parent))
+    tokens = torch.cat([roots[:, None], torch.gather(cand_tokens, 1, kept)], dim=1)
+    parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=roots.device), node_parent], dim=1)
+    depths = torch.cat([torch.zeros(bs, 1, dtype=torch.int64, device=roots.device),
+                        torch.gather(cand_depths, 1, kept)], dim=1)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, valid=valid)

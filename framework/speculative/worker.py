@@ -1,0 +1,142 @@
+"""One speculative iteration for the running requests (the "v1" path): draft -> TARGET_VERIFY forward over the
+tree -> verify on device -> one host read of the accept lengths -> KV compaction -> commit -> drafter update.
+
+KV contract: the iteration assigns slots for row positions ``[L, L + width)`` of every request up front
+(monotonic: nothing is freed while a forward that may read it is pending). Verification writes the tree's K/V
+at positions ``L .. L + n - 1`` in node order; the accepted path's K/V are then copied to the request's
+contiguous positions ``L + 1 .. L + k`` (only trees need it), the committed length becomes ``L + k + 1`` and
+pages past the next root's position go back to the allocator. The scheduler's committed lengths change only here,
+after acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from framework.batch import ForwardBatch, ForwardMode
+from framework.config import SpeculativeConfig
+from framework.request import Request
+from framework.scheduler import ScheduledStep
+from framework.speculative.base import Drafter, SpecContext
+from framework.speculative.tree import ancestor_mask
+from framework.speculative.verify import verify
+
+
+@dataclass
+class SpecStats:
+    num_verify_steps: int = 0
+    num_emitted: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)  # [num_steps]: verify steps accepting depth d+1
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def summary(self) -> dict:
+        steps = max(self.num_verify_steps, 1)
+        total = self.draft_s + self.verify_s
+        return {"mean_accept_len": round(self.num_emitted / steps, 4) if self.num_verify_steps else 0.0,
+                "accept_rate_per_position": [round(c / steps, 4) for c in self.accepted_at_depth],
+                "draft_time_share": round(self.draft_s / total, 4) if total else 0.0,
+                "verify_time_share": round(self.verify_s / total, 4) if total else 0.0}
+
+
+def scratch_width(cfg: SpeculativeConfig) -> int:
+    """Row positions (from L) a model drafter's forwards write: the root, then topk per later step."""
+    return 1 + (cfg.num_steps - 1) * cfg.topk
+
+
+def spec_kv_width(cfg: SpeculativeConfig) -> int:
+    """Row positions one iteration assigns: the tree or the drafting scratch, plus the next root's slot."""
+    return max(cfg.num_draft_tokens, scratch_width(cfg)) + 1
+
+
+class SpecWorker:
+    def __init__(self, engine, drafter: Drafter, cfg: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.cfg = cfg
+        self.width = spec_kv_width(cfg)
+        self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
+
+    def step(self, step: ScheduledStep) -> list[Request]:
+        """Run one iteration for the step's requests (all prefilled); returns those that finished."""
+        reqs = step.reqs
+        eng, sched, alloc = self.engine, self.engine.scheduler, self.engine.allocator
+        cfg, n, bs = self.cfg, self.cfg.num_draft_tokens, len(reqs)
+        t0 = time.perf_counter()
+        kv_lens = [r.kv_len for r in reqs]
+        rows = [r.row for r in reqs]
+        slots = alloc.assign(rows, kv_lens, [L + self.width for L in kv_lens]).view(bs, self.width)
+        dev = slots.device
+        packed = torch.tensor([[r.output_ids[-1] for r in reqs], kv_lens, rows], dtype=torch.int64).to(dev)
+        roots, kv_lens_t, rows_t = packed[0], packed[1], packed[2]
+        sampling = sched.sampling_batch(reqs)
+        ctx = SpecContext(reqs=reqs, kv_lens=kv_lens, slots=slots, roots=roots, sampling=sampling)
+        tree = self.drafter.propose(ctx)
+        if tree is None:  # nothing drafted for any request: a plain decode step (its slots were assigned above)
+            for req, L in zip(reqs, kv_lens):
+                alloc.truncate(req.row, L + 1)
+            return eng.plain_step(step)
+        t1 = time.perf_counter()
+
+        batch = ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY, input_ids=tree.tokens.reshape(-1),
+            positions=(kv_lens_t[:, None] + tree.depths).reshape(-1),
+            out_cache_loc=slots[:, :n].reshape(-1), req_pool_indices=rows_t, seq_lens=kv_lens_t + n,
+            seq_lens_cpu=[L + n for L in kv_lens], extend_lens_cpu=[n] * bs,
+            logits_index=torch.arange(bs * n, device=dev), custom_mask=ancestor_mask(tree.parents),
+            sampling=sampling)
+        logits, hidden = eng.runner.forward(batch)
+        result = verify(tree, logits, sampling, cfg.num_steps, self.drafter.max_children)
+        host = torch.cat([result.accept_lens, result.accept_index.reshape(-1), result.accept_tokens]).tolist()
+        t2 = time.perf_counter()
+
+        stride = cfg.num_steps + 1
+        lens = host[:bs]
+        paths = [host[bs + b * stride: bs + b * stride + lens[b]] for b in range(bs)]
+        emitted = [host[bs + bs * stride + b * stride: bs + bs * stride + b * stride + lens[b]] for b in range(bs)]
+        self._compact(reqs, kv_lens, paths)
+        self.drafter.on_accept(ctx, tree, paths, hidden, [e[-1] for e in emitted])
+        finished = []
+        for req, L, path, tokens in zip(reqs, kv_lens, paths, emitted):
+            req.kv_len = L + len(path)  # the root and the accepted drafts now hold K/V
+            req.spec_verify_steps += 1
+            req.spec_accepted_tokens += len(tokens)
+            if req.first_token_s is None:
+                req.first_token_s = t2
+            if sched.append_tokens(req, tokens):
+                finished.append(req)
+            else:
+                alloc.truncate(req.row, req.kv_len + 1)  # keep the next root's slot; rejected pages go back
+        self._record(lens, t1 - t0 + time.perf_counter() - t2, t2 - t1)
+        return finished
+
+    def _compact(self, reqs: list[Request], kv_lens: list[int], paths: list[list[int]]) -> None:
+        """Copy each accepted node's K/V from its tree position to the path's contiguous position."""
+        src, dst = [], []
+        table = self.engine.allocator.req_to_token_host
+        for req, L, path in zip(reqs, kv_lens, paths):
+            for depth, node in enumerate(path):
+                if node != depth:
+                    src.append(table[req.row, L + node])
+                    dst.append(table[req.row, L + depth])
+        if not src:
+            return
+        idx = torch.from_numpy(np.asarray([src, dst], dtype=np.int64)).to(self.engine.device)
+        pool = self.engine.pool  # drafters with their own pools re-extend accepted tokens instead
+        for layer in range(pool.num_layers):
+            pool.k[layer][idx[1]] = pool.k[layer][idx[0]]
+            pool.v[layer][idx[1]] = pool.v[layer][idx[0]]
+
+    def _record(self, lens: list[int], draft_s: float, verify_s: float) -> None:
+        s = self.stats
+        s.num_verify_steps += len(lens)
+        s.num_emitted += sum(lens)
+        for length in lens:
+            for d in range(min(length - 1, len(s.accepted_at_depth))):
+                s.accepted_at_depth[d] += 1
+        s.draft_s += draft_s
+        s.verify_s += verify_s
