@@ -7,7 +7,11 @@ Adding a backend is one file with ``@ATTENTION_BACKENDS.register("<name>")`` plu
 from framework.attention.base import AttentionBackend
 from framework.registry import Registry
 
-_LAZY = {"sdpa": "framework.attention.sdpa"}
+_LAZY = {
+    "sdpa": "framework.attention.sdpa",
+    "triton": "framework.attention.triton",
+    "flex": "framework.attention.flex",
+}
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend", lazy=_LAZY)
 

@@ -1,0 +1,113 @@
+"""``attention=triton``: Triton kernels (``kernels/``) straight over the paged KV pool.
+
+- every mode first writes the new K/V into the pool at ``out_cache_loc`` (``tfs::store_kv``);
+- EXTEND (ragged prefill, eager): ``tfs::extend_attention``, causal over the new tokens, whole prefix visible;
+- DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
+- TARGET_VERIFY / DRAFT_EXTEND / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
+  tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none).
+
+The kernels read slots straight from the allocator's ``req_to_token`` table, so the metadata is the batch's own
+tensors plus that table: no per-step gather, no host-computed width, nothing read back from the device. Its shapes
+depend only on (mode, padded_bs, q_len) (and the custom mask's width), so compiled graphs replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from framework.attention import ATTENTION_BACKENDS
+from framework.attention.base import AttentionBackend
+from framework.batch import ForwardBatch
+from framework.config import ConfigError
+from framework.kv import KVAllocator, KVPool
+
+NEEDS_CUDA = "attention=triton needs a CUDA device (set TRITON_INTERPRET=1 to run the Triton interpreter on the CPU)"
+
+
+@dataclass
+class TritonMetadata:
+    out_cache_loc: torch.Tensor  # [num_tokens] slots that receive the new K/V
+    req_to_token: torch.Tensor  # [max_requests + 1, max_context] the allocator's slot table (read in place)
+    req_pool_indices: torch.Tensor  # [bs] rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] keys of each request after this forward
+    q_len: int  # uniform modes: tokens per request; EXTEND: the longest request's new tokens
+    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] bool over each request's last keys
+    q_starts: Optional[torch.Tensor] = None  # EXTEND: [bs] first flat token of each request
+    q_lens: Optional[torch.Tensor] = None  # EXTEND: [bs] new tokens of each request
+
+
+@ATTENTION_BACKENDS.register("triton")
+class TritonBackend(AttentionBackend):
+    """Paged attention with Triton kernels; on the CPU only under ``TRITON_INTERPRET=1`` (tests)."""
+
+    name = "triton"
+
+    def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        super().__init__(pool, allocator, num_heads, num_kv_heads, head_dim)
+        from kernels.dispatch import INTERPRET  # triton-free: the check comes before triton is imported
+
+        if allocator.device.type != "cuda" and not INTERPRET:
+            raise ConfigError(NEEDS_CUDA)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"attention=triton: {num_heads} query heads are not a multiple of "
+                              f"{num_kv_heads} KV heads")
+        from kernels.decode_attention import decode_attention
+        from kernels.extend_attention import extend_attention
+        from kernels.split_kv_attention import split_policy
+        from kernels.store_kv import store_kv
+        from kernels.verify_attention import verify_attention
+
+        self._decode, self._extend, self._verify, self._store = decode_attention, extend_attention, \
+            verify_attention, store_kv
+        self._split_policy = split_policy
+        self._policies: dict[int, tuple[int, int, int]] = {}
+        if allocator.device.type == "cuda":
+            # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
+            # cudagraph trees from copying it into the graph on every replay
+            torch._dynamo.mark_static_address(allocator.req_to_token)
+
+    def policy(self, q_len: int) -> tuple[int, int, int]:
+        """(max_splits, target_programs, min_split_len) of the split-K kernel for ``q_len`` tokens per request."""
+        if q_len not in self._policies:
+            self._policies[q_len] = self._split_policy(self.allocator.device, q_len)
+        return self._policies[q_len]
+
+    def init_metadata(self, batch: ForwardBatch) -> TritonMetadata:
+        table = self.allocator.req_to_token
+        if batch.mode.uniform:
+            return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
+                                  batch.custom_mask)
+        if batch.custom_mask is not None:
+            raise NotImplementedError("attention=triton: EXTEND with a custom mask (masks are for uniform modes)")
+        lens = list(batch.extend_lens_cpu)
+        starts = [0] * len(lens)
+        for i in range(1, len(lens)):
+            starts[i] = starts[i - 1] + lens[i - 1]
+        packed = torch.tensor(starts + lens, dtype=torch.int64).to(batch.input_ids.device, non_blocking=True)
+        return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, max(lens),
+                              q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
+
+    def dynamic_dims(self, meta: TritonMetadata) -> list[tuple[torch.Tensor, int]]:
+        dims = [(meta.out_cache_loc, 0), (meta.req_pool_indices, 0), (meta.seq_lens, 0)]
+        if meta.custom_mask is not None:  # batch and mask width (draft steps widen it) vary; q_len does not
+            dims += [(meta.custom_mask, 0), (meta.custom_mask, 2)]
+        return dims
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                meta: TritonMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
+        self._store(k_cache, v_cache, meta.out_cache_loc, k, v)
+        if meta.q_starts is not None:
+            out = self._extend(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                               meta.q_starts, meta.q_lens, meta.q_len, self.scale)
+        elif meta.q_len == 1 and meta.custom_mask is None:
+            out = self._decode(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                               self.scale, *self.policy(1))
+        else:
+            out = self._verify(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                               meta.custom_mask, meta.q_len, self.scale, *self.policy(meta.q_len))
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * head_dim]

@@ -1,0 +1,224 @@
+"""Split-K (flash-decoding) attention over the paged KV pool for uniform modes: every request has ``q_len`` new
+tokens (DECODE: 1; TARGET_VERIFY / DRAFT_*: the draft tokens) that attend to the request's keys ``[0, seq_len)``
+read through ``req_to_token``, causally or through a custom mask over the last ``mask_width`` keys.
+
+Stage 1 splits each request's keys across up to ``max_splits`` programs, so that one long request still fills the
+GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials. The number of splits is
+decided on the device from the request's length and the batch size (never read back by the host), so one captured
+graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
+request are processed together as the rows of one tile: K/V are read once per KV head.
+
+Used by ``tfs::decode_attention`` and ``tfs::verify_attention``; the plain-torch reference is
+:func:`split_kv_attention_reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from kernels.online_softmax import online_softmax_step
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len):
+    """Splits for one request: enough programs to fill the device, none shorter than ``min_split_len`` keys."""
+    by_length = tl.cdiv(seq_len, min_split_len)
+    by_occupancy = tl.cdiv(target_programs, programs_per_split)
+    return tl.maximum(tl.minimum(tl.minimum(by_length, by_occupancy), max_splits), 1)
+
+
+@triton.jit
+def _split_kv_partial_kernel(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mid_o, Mid_lse,
+    scale_log2e, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, stride_mb, stride_mt,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (bs * M_BLOCKS, kv_heads, max_splits)
+    b = tl.program_id(0) // M_BLOCKS
+    m_block = tl.program_id(0) % M_BLOCKS
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + b)
+    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    end = tl.where(split < n_splits, end, start)  # programs beyond this request's splits do nothing
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = token t * GROUP + member g of the kv head
+    t = rows // GROUP
+    row_ok = rows < Q_LEN * GROUP
+    token = b * Q_LEN + t
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+    req_row = tl.load(Req_pool_indices + b)
+    last_key = seq_len - Q_LEN + t  # causal: row t sees keys <= last_key
+    region = seq_len - mask_width  # custom mask: keys >= region are decided by the mask, earlier ones are visible
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)  # [BLOCK_N] int64
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        if HAS_MASK:
+            rel = j[None, :] - region
+            in_region = rel >= 0
+            tree = tl.load(Mask + b * stride_mb + t[:, None] * stride_mt + rel,
+                           mask=row_ok[:, None] & in_region & j_ok[None, :], other=0)
+            allowed = j_ok[None, :] & ((rel < 0) | (tree != 0))
+        else:
+            allowed = j_ok[None, :] & (j[None, :] <= last_key[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
+    # NOTE: a block mask and'ed with a scalar condition breaks the Triton interpreter; fold the scalar into a bound
+    store_ok = rows < tl.where(split < n_splits, Q_LEN * GROUP, 0)
+    tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
+             acc / l_safe[:, None], mask=store_ok[:, None] & d_ok[None, :])
+    tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    Mid_o, Mid_lse, Out, Seq_lens,
+    programs_per_split, max_splits, target_programs, min_split_len,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
+    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # grid: (num_tokens, heads)
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + token // Q_LEN)
+    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < n_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def _tile_rows(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, M_BLOCKS) for ``rows = q_len * group`` query rows per (request, kv head)."""
+    if rows <= 64:
+        return max(16, triton.next_power_of_2(rows)), 1
+    return 64, triton.cdiv(rows, 64)
+
+
+def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                              custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
+                              target_programs: int, min_split_len: int) -> torch.Tensor:
+    """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
+    in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    bs = req_pool_indices.shape[0]
+    block_m, m_blocks = _tile_rows(q_len * group)
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_n = 64 if q.is_cuda else 32
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    mid_o = torch.empty((n, heads, max_splits, dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    has_mask = custom_mask is not None
+    mask = custom_mask.contiguous().view(torch.uint8) if has_mask else seq_lens  # seq_lens: an unused stand-in
+    mask_width = custom_mask.shape[2] if has_mask else 0
+    stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    programs_per_split = bs * m_blocks * kv_heads
+    wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
+        scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), stride_mb, stride_mt,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, HAS_MASK=has_mask, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
+        mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
+        num_warps=4,
+    )
+    return out
+
+
+def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor], q_len: int,
+                                 scale: float) -> torch.Tensor:
+    """Plain torch (float32 math, no host sync, compile-friendly): the definition the kernels are tested against.
+
+    Keys are positions ``[0, req_to_token.shape[1])`` of each request, visible when ``< seq_len`` and allowed by
+    the causal rule (no mask) or by ``custom_mask`` ``[bs, q_len, mask_width]`` over the last ``mask_width`` keys.
+    """
+    n, heads, dim = q.shape
+    bs = req_pool_indices.shape[0]
+    kv_heads = k_cache.shape[1]
+    width = req_to_token.shape[1]
+    slots = req_to_token[req_pool_indices]  # [bs, width]
+    k = k_cache[slots].float()  # [bs, width, kv_heads, dim]
+    v = v_cache[slots].float()
+    j = torch.arange(width, device=q.device)[None, None, :]  # [1, 1, width]
+    t = torch.arange(q_len, device=q.device)[None, :, None]  # [1, q_len, 1]
+    seq = seq_lens[:, None, None]  # [bs, 1, 1]
+    if custom_mask is None:
+        allowed = j <= seq - q_len + t  # [bs, q_len, width]
+    else:
+        mask_width = custom_mask.shape[2]
+        rel = j - (seq - mask_width)  # [bs, 1, width]
+        gathered = torch.gather(custom_mask, 2, rel.clamp(0, mask_width - 1).expand(bs, q_len, width))
+        allowed = (rel < 0) | ((j < seq) & gathered)
+    qf = q.float().view(bs, q_len, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("btkgd,bjkd->bkgtj", qf, k) * scale  # [bs, kv_heads, group, q_len, width]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    out = torch.einsum("bkgtj,bjkd->btkgd", scores.softmax(-1), v)
+    return out.reshape(n, heads, dim).to(q.dtype)
+
+
+def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
+    """(max_splits, target_programs, min_split_len) for ``q_len`` query tokens per request on ``device``.
+
+    ``max_splits`` sizes the fp32 partial buffer (``num_tokens * heads * max_splits * head_dim``): 64 for decode,
+    fewer for longer queries so that it stays small at large batch sizes. The kernel then picks, per request, enough
+    splits for about four programs per SM, each covering at least ``min_split_len`` keys. On the CPU (Triton
+    interpreter) there are few, short splits: enough to exercise the merge, cheap enough to interpret.
+    """
+    max_splits = max(4, min(64, 128 // max(1, q_len)))
+    if device.type == "cuda":
+        return max_splits, 4 * torch.cuda.get_device_properties(device).multi_processor_count, 128
+    return min(max_splits, 8), 16, 32
+
+
+__all__ = ["launch_split_kv_attention", "split_kv_attention_reference", "split_policy"]
