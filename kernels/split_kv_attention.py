@@ -218,7 +218,7 @@ def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
     max_splits = max(4, min(64, 128 // max(1, q_len)))
     if device.type == "cuda":
         return max_splits, 4 * torch.cuda.get_device_properties(device).multi_processor_count, 128
-    return min(max_splits, 8), 16, 32
+    return min(max_splits, 4), 16, 32
 
 
 __all__ = ["launch_split_kv_attention", "split_kv_attention_reference", "split_policy"]
