@@ -1,0 +1,295 @@
+"""The OpenAI-compatible server: the official ``openai`` client for completions, chat and streaming; plain HTTP for
+malformed requests, auth and disconnects; metrics; and ``run=server`` from the command line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from framework.config import CONF_DIR, compose
+from framework.server import ServerThread
+from framework.server.metrics import ServerMetrics
+from framework.server.stream import TextDeltas, stop_prefix_len
+from tests.conftest import TINY
+
+KEY = "test-key"
+MODEL = "tiny-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "Once upon a time in a land far away, there lived"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = compose(TINY + ["run=server", "scheduler.max_running_requests=8", "scheduler.max_context=1024",
+                             f"run.api_key={KEY}", f"run.served_model_name={MODEL}"])
+    with ServerThread(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def wait_idle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.loop.engine.has_work() or server.loop._live:
+        assert time.monotonic() < deadline, "the engine still has work"
+        time.sleep(0.01)
+
+
+# ---- the happy paths, through the openai client -----------------------------------------------------------
+def test_models_and_health(server, client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+
+
+def test_completion_equals_offline(client, tiny_llm):
+    ref = tiny_llm.generate([{"prompt": PROMPT, "max_tokens": 12}])[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
+    assert out.object == "text_completion" and out.model == MODEL and len(out.choices) == 1
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.num_prompt_tokens, 12)
+    assert out.usage.total_tokens == ref.num_prompt_tokens + 12
+
+
+def test_chat_equals_offline(client, tiny_llm):
+    ref = tiny_llm.generate([{"messages": CHAT, "max_tokens": 10}])[0]
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10)
+    msg = out.choices[0].message
+    assert out.object == "chat.completion" and msg.role == "assistant" and msg.content == ref.text
+    assert out.usage.prompt_tokens == ref.num_prompt_tokens and out.usage.completion_tokens == 10
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=10).choices[0].message.content \
+        == ref.text
+
+
+def test_streaming_completion_and_usage(client, tiny_llm):
+    ref = tiny_llm.generate([{"prompt": PROMPT, "max_tokens": 16}])[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == ref.text and len(texts) > 3  # arrives in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streaming_chat(client, tiny_llm):
+    ref = tiny_llm.generate([{"messages": CHAT, "max_tokens": 12}])[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+
+
+def test_sse_wire_format_ends_with_done(http):
+    with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_fields_reach_the_engine(client, tiny_llm):
+    item = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 7}
+    ref = tiny_llm.generate([item])[0]
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9, seed=7,
+                  extra_body={"top_k": 20})
+    assert client.completions.create(**kwargs).choices[0].text == ref.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == ref.text
+    greedy = tiny_llm.generate([{"prompt": PROMPT, "max_tokens": 12}])[0]
+    assert ref.text != greedy.text
+
+
+def _stop_across_tokens(tiny_llm, prompt: str) -> tuple[str, str]:
+    """A stop string that starts in one generated token and ends in the next, and the text it cuts to."""
+    full = tiny_llm.generate([{"prompt": prompt, "max_tokens": 24}])[0]
+    decode = tiny_llm.engine.detokenize
+    for j in range(4, 20):
+        before, at, after = (len(decode(full.token_ids[:k])) for k in (j - 1, j, j + 1))
+        stop = full.text[at - 2: at + 2]
+        if at - before >= 2 and after - at >= 2 and full.text.find(stop) == at - 2 and stop.strip():
+            return stop, full.text[: at - 2]
+    pytest.fail("no generated text with a stop string across a token boundary")
+
+
+def test_stop_string_is_held_back_while_streaming(client, tiny_llm):
+    stop, expected = _stop_across_tokens(tiny_llm, PROMPT)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=stop)
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_deltas_hold_back_partial_characters_and_stop_prefixes():
+    deltas = TextDeltas(["STOP"])
+    assert deltas.update("ab\ufffd") == "ab"  # half of a multi-byte character
+    assert deltas.update("abé") == "é"
+    assert deltas.update("abé S") == " "  # "S" may start "STOP"
+    assert deltas.update("abé ST") == ""
+    assert deltas.update("abé STx") == "STx"  # it did not
+    assert deltas.finish("abé STx!") == "!" and deltas.sent == "abé STx!"
+    assert stop_prefix_len("xxSTO", ["STOP", "O"]) == 3 and stop_prefix_len("abc", []) == 0
+
+
+# ---- bad input: 400 with an OpenAI-style error naming the field; the server keeps serving -----------------
+LONG = "hello " * 1100  # more tokens than the 1024-token context
+
+BAD = [
+    ("/v1/completions", b"{not json", None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", None, "JSON object"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt", "prompt is required"),
+    ("/v1/chat/completions", {"max_tokens": 4}, "messages", "messages is required"),
+    ("/v1/completions", {"prompt": 42}, "prompt", "prompt must be a string"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "one string"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "messages[0].content"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature", "temperature='hot'"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens", "max_tokens='5'"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream", "stream='yes'"),
+    ("/v1/completions", {"prompt": "a", "stop": 5}, "stop", "stop=5"),
+    ("/v1/completions", {"prompt": "a", "seed": 1.5}, "seed", "seed=1.5"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, "model", "model='gpt-4' is not served"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0 is not allowed"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens=-3 is not allowed"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 5000}, "max_tokens", "context window is 1024"),
+    ("/v1/completions", {"prompt": "hello " * 1000, "max_tokens": 100}, "max_tokens", "at most 2"),
+    ("/v1/completions", {"prompt": LONG}, "prompt", "context window is 1024"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages", "context window"),
+    ("/v1/completions", {"prompt": "a", "temperature": -0.5}, "temperature", "temperature=-0.5 is not allowed"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, "n", "n=2 is not supported"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, "echo", "not supported"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,needle", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_400_naming_the_field(http, path, body, param, needle):
+    for stream in (False, True):
+        if stream and not isinstance(body, dict):
+            continue
+        kwargs = {"json": dict(body, stream=True) if stream and "stream" not in body else body} \
+            if isinstance(body, dict) else {"content": body}
+        r = http.post(path, **kwargs)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] is None
+        assert needle in err["message"] and "\n" not in err["message"]
+
+
+def test_server_keeps_serving_after_bad_requests(client, server):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=0)
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=3).usage.completion_tokens == 3
+    wait_idle(server)
+    server.loop.engine.allocator.assert_all_free()
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key" and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_unknown_route_is_an_openai_error(http):
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# ---- disconnects, metrics ----------------------------------------------------------------------------------
+def test_client_disconnect_aborts_and_frees_kv(server, http):
+    wait_idle(server)
+    loop = server.loop
+    with http.stream("POST", "/v1/completions",
+                     json={"prompt": PROMPT, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+        assert loop.engine.allocator.num_used_slots > 0
+    wait_idle(server)  # the stream is closed: the server notices and aborts the request
+    record = loop.abort_log[-1]
+    assert record.freed_at_step - record.requested_at_step <= 1  # KV freed before the next engine step
+    assert record.num_output_tokens < 1000
+    assert loop.engine.allocator.num_used_slots == 0
+    loop.engine.allocator.assert_all_free()
+
+
+def test_metrics_endpoint(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    text = httpx.get(server.url + "/metrics").text
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if not s.labels}
+    by_reason = {s.labels["finish_reason"]: s.value for fam in text_string_to_metric_families(text)
+                 for s in fam.samples if s.name == "tfs_requests_total"}
+    assert by_reason["length"] >= 1 and samples["tfs_generation_tokens_total"] >= 5
+    assert samples["tfs_prompt_tokens_total"] > 0 and samples["tfs_generation_tokens_per_second"] > 0
+    for name in ("tfs_queue_depth", "tfs_running_requests", "tfs_kv_usage_ratio", "tfs_spec_mean_accept_length"):
+        assert name in samples
+    assert samples["tfs_spec_mean_accept_length"] == 0.0  # no speculation here
+
+
+def test_spec_mean_accept_length_is_accepted_per_verify_step():
+    from framework.request import Request
+    from framework.sampling import SamplingParams
+
+    metrics = ServerMetrics()
+    for steps, accepted in ((4, 10), (6, 5), (0, 0)):
+        req = Request(rid="r", prompt_ids=[1], params=SamplingParams(), seed=0, max_new_tokens=4,
+                      finish_reason="length", spec_verify_steps=steps, spec_accepted_tokens=accepted)
+        metrics.on_finish(req)
+    assert metrics.spec_accept_len._value.get() == pytest.approx(15 / 10)
+    metrics.on_tokens(30, now=time.perf_counter())
+    assert metrics._tokens_per_s() > 0
+
+
+# ---- the command line ---------------------------------------------------------------------------------------
+def test_run_server_from_the_command_line():
+    cmd = [sys.executable, str(CONF_DIR.parent / "train_free_serve.py"), "run=server", "model=tiny_llama",
+           "compile=eager"]
+    proc = subprocess.Popen(cmd + ["run.port=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = "-"
+        while line and not line.startswith("serving"):  # Hydra's log lines go to stdout too
+            line = proc.stdout.readline()
+        assert line.startswith("serving tiny_llama on http://127.0.0.1:"), "the server did not start"
+        url = line.split()[3].removesuffix("/v1")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        busy = subprocess.run(cmd + [f"run.port={url.rsplit(':', 1)[1]}"], capture_output=True, text=True,
+                              timeout=120)
+        assert busy.returncode == 2 and "run.port=" in busy.stderr and "cannot listen" in busy.stderr
+        assert len(busy.stderr.strip().splitlines()) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
