@@ -58,6 +58,7 @@ class ForwardBatch:
     # [bs, q_len, mask_width] bool over each request's last mask_width keys (mask_width >= q_len; earlier keys are
     # all visible); None: causal among this forward's tokens. Tree masks for TARGET_VERIFY / DRAFT_* modes.
     custom_mask: Optional[torch.Tensor] = None
+    hidden_in: Optional[torch.Tensor] = None  # [num_tokens, hidden]: per-token input states (EAGLE heads)
     sampling: Optional[SamplingBatch] = None
     spec: Any = None  # drafter / verifier state
     attn: Any = None  # attention-backend metadata, filled by AttentionBackend.init_metadata

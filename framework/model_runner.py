@@ -60,16 +60,17 @@ class ModelRunner:
                 self._compiled_forward = frozen_forward
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                 logits_index: torch.Tensor, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions, meta, logits_index, layer_ids)
+                 logits_index: torch.Tensor, extra: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states)."""
+        return self.model(input_ids, positions, meta, logits_index, extra)
 
     @torch.inference_mode()
-    def warmup(self, mode: ForwardMode, q_len: int) -> None:
+    def warmup(self, mode: ForwardMode, q_len: int, layer_ids: Any = None) -> None:
         """Compile (and on CUDA record graphs) for every captured batch size ahead of serving, with batches made
         only of dummy requests, so that no request waits for a compilation."""
         if not self.compiled:
             return
-        dev = self.model.embed_tokens.weight.device
+        dev = next(self.model.parameters()).device
         for bs in self.batch_sizes:
             n = bs * q_len
             zeros = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -80,8 +81,10 @@ class ModelRunner:
                 req_pool_indices=torch.full((bs,), DUMMY_ROW, dtype=torch.int64, device=dev),
                 seq_lens=torch.full((bs,), q_len, dtype=torch.int64, device=dev), seq_lens_cpu=[q_len] * bs,
                 extend_lens_cpu=[q_len] * bs, logits_index=torch.arange(n, device=dev),
-                custom_mask=causal if mode is not ForwardMode.DECODE else None)
-            self.forward(batch)
+                custom_mask=causal if mode is not ForwardMode.DECODE and q_len > 1 else None)
+            if getattr(self.model, "takes_hidden_in", False):
+                batch.hidden_in = torch.zeros(n, self.model.args.hidden_size, dtype=self.model.dtype, device=dev)
+            self.forward(batch, layer_ids)
 
     def padded_size(self, bs: int) -> int:
         i = bisect.bisect_left(self.batch_sizes, bs)
@@ -105,6 +108,9 @@ class ModelRunner:
             custom_mask = torch.cat([custom_mask, torch.ones(extra, q, width, dtype=torch.bool, device=dev)])
         dummy_len = q if custom_mask is None else max(q, custom_mask.shape[-1])
         seq_lens_cpu = batch.seq_lens_cpu + [dummy_len] * extra
+        hidden_in = batch.hidden_in
+        if hidden_in is not None:
+            hidden_in = torch.cat([hidden_in, hidden_in.new_zeros(extra * q, hidden_in.shape[-1])])
         return batch.replace(
             input_ids=torch.cat([batch.input_ids, dummy_tokens]),
             positions=torch.cat([batch.positions, dummy_positions]),
@@ -116,6 +122,7 @@ class ModelRunner:
             extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
             logits_index=torch.arange(padded_bs * q, device=dev),
             custom_mask=custom_mask,
+            hidden_in=hidden_in,
             padded_bs=padded_bs,
             seq_lens_sum=sum(seq_lens_cpu),
         )
@@ -125,18 +132,23 @@ class ModelRunner:
 
         In uniform modes ``batch.logits_index`` must select every token (rows in token order).
         """
+        extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         if not (self.compiled and batch.mode.uniform):
             batch.attn = self.backend.init_metadata(batch)
-            return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, layer_ids)
+            return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
         padded = self.pad(batch)
         padded.attn = self.backend.init_metadata(padded)
         # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured
         # size; size 1 is specialised by dynamo); reduce-overhead still records one CUDA graph per concrete shape
-        for tensor, dim in [(padded.input_ids, 0), (padded.positions, 0), (padded.logits_index, 0),
-                            *self.backend.dynamic_dims(padded.attn)]:
+        dynamic = [(padded.input_ids, 0), (padded.positions, 0), (padded.logits_index, 0),
+                   *self.backend.dynamic_dims(padded.attn)]
+        if padded.hidden_in is not None:
+            dynamic.append((padded.hidden_in, 0))
+        for tensor, dim in dynamic:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
         torch.compiler.cudagraph_mark_step_begin()
+        extra = padded.hidden_in if padded.hidden_in is not None else layer_ids
         logits, hidden = self._compiled_forward(padded.input_ids, padded.positions, padded.attn,
-                                                padded.logits_index, layer_ids)
+                                                padded.logits_index, extra)
         return logits[: batch.logits_index.shape[0]], hidden[: batch.input_ids.shape[0]]

@@ -8,13 +8,16 @@ evaluation), and the ``mask_mod`` decides the rest: causal over the new tokens w
 ``init_metadata`` from ``seq_lens`` (static shapes per (mode, padded_bs, q_len, kv bucket)); the BlockMask and its
 ``mask_mod`` are built inside ``forward`` so that they trace into compiled graphs.
 
-NOTE: flex_attention without torch.compile materialises the whole score matrix, so outside compiled graphs (EXTEND,
-compile=eager) the attention call is compiled on its own (once per shape family, dynamic shapes).
+NOTE: outside compiled graphs (EXTEND, compile=eager) the attention call is compiled on its own on CUDA (dynamic
+shapes, one compile per shape family). On the CPU it runs flex's unfused eager path instead (the score matrix is
+materialised, as sdpa does): inductor's CPU flex template miscompiles a second dynamic-shape compile in one process
+(torch 2.13: C++ "cur_kvSplitSize9 was not declared"). Inside the runner's compiled CPU graph it is fused.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -106,11 +109,15 @@ _compiled_attend: Optional[Callable[..., Any]] = None
 
 
 def attend_compiled(*args: Any) -> torch.Tensor:
-    """:func:`attend` fused by torch.compile: inlined into an enclosing compiled graph, compiled on its own
-    (dynamic shapes, one compile per shape family) when called eagerly."""
+    """:func:`attend` inlined into an enclosing compiled graph; called eagerly: compiled on its own on CUDA, flex's
+    unfused eager path on the CPU (see the module note)."""
     global _compiled_attend
-    if torch.compiler.is_compiling() or not args[0].is_cuda:
+    if torch.compiler.is_compiling():
         return attend(*args)
+    if not args[0].is_cuda:
+        with warnings.catch_warnings():  # the unfused CPU path is deliberate; flex would warn about it
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return attend(*args)
     if _compiled_attend is None:
         _compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
     return _compiled_attend(*args)

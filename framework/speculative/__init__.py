@@ -6,6 +6,9 @@ from framework.registry import Registry
 
 DRAFTERS: Registry = Registry("drafter", lazy={
     "ngram": "framework.speculative.ngram",
+    "layer_skip": "framework.speculative.layer_skip",
+    "draft_model": "framework.speculative.draft_model",
+    "eagle": "framework.speculative.eagle",
 })
 
 

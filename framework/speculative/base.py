@@ -45,6 +45,8 @@ class SpecContext:
     kv_lens: list[int]  # [bs] committed target KV length L; the root token sits at position L
     slots: torch.Tensor  # [bs, width] slots of row positions L .. L + width - 1 (device)
     roots: torch.Tensor  # [bs] int64 root tokens (device)
+    kv_lens_t: torch.Tensor  # [bs] int64 L on the device
+    rows_t: torch.Tensor  # [bs] int64 req_to_token rows on the device
     sampling: Any  # SamplingBatch for the requests
 
 

@@ -74,7 +74,8 @@ class SpecWorker:
         packed = torch.tensor([[r.output_ids[-1] for r in reqs], kv_lens, rows], dtype=torch.int64).to(dev)
         roots, kv_lens_t, rows_t = packed[0], packed[1], packed[2]
         sampling = sched.sampling_batch(reqs)
-        ctx = SpecContext(reqs=reqs, kv_lens=kv_lens, slots=slots, roots=roots, sampling=sampling)
+        ctx = SpecContext(reqs=reqs, kv_lens=kv_lens, slots=slots, roots=roots, kv_lens_t=kv_lens_t, rows_t=rows_t,
+                          sampling=sampling)
         tree = self.drafter.propose(ctx)
         if tree is None:  # nothing drafted for any request: a plain decode step (its slots were assigned above)
             for req, L in zip(reqs, kv_lens):

@@ -1,0 +1,91 @@
+"""``speculative=draft_model``: a separate small model drafts. It has its own KV pool but uses the target's
+allocator, so a token's draft K/V sit at the same slot index as its target K/V.
+
+Per request the drafter remembers how many positions of its own pool are valid (``drafter_state``). Each
+iteration first catches up on the tokens accepted since (a ragged forward ending at the root), then drafts. After
+a chain verify its K/V stay valid along the accepted path; after a tree verify only the root's do (the tree's
+layout differs from the drafting scratch), and the next catch-up re-extends the accepted tokens."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from framework.attention import ATTENTION_BACKENDS
+from framework.batch import ForwardBatch, ForwardMode
+from framework.config import ConfigError, SpeculativeConfig
+from framework.config.load import model_option
+from framework.kv import KVPool
+from framework.model_runner import ModelRunner
+from framework.models.loader import load_model
+from framework.speculative import DRAFTERS
+from framework.speculative.base import DraftTree, SpecContext
+from framework.speculative.model_drafter import ModelDrafter
+from framework.tokenizer import tokenizer_path
+
+
+@DRAFTERS.register("draft_model")
+class DraftModelDrafter(ModelDrafter):
+    name = "draft_model"
+
+    def __init__(self, engine, cfg: SpeculativeConfig) -> None:
+        super().__init__(engine, cfg)
+        mcfg = model_option(cfg.draft_model)
+        if tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
+            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; its tokenizer differs "
+                              f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
+        self.model = load_model(mcfg, engine.dtype, engine.device)
+        if self.model.args.vocab_size != engine.model.args.vocab_size:
+            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
+                              f"{self.model.args.vocab_size} != the target's {engine.model.args.vocab_size}")
+        a = self.model.args
+        self.pool = KVPool(a.num_layers, engine.allocator.num_slots, a.num_kv_heads, a.head_dim, engine.dtype,
+                           engine.device)
+        backend = ATTENTION_BACKENDS.build(engine.config.attention.name, self.pool, engine.allocator, a.num_heads,
+                                           a.num_kv_heads, a.head_dim)
+        self.runner = ModelRunner(self.model, backend, engine.runner.compiled, engine.runner.batch_sizes,
+                                  engine.device)
+
+    def warmup(self) -> None:
+        self.runner.warmup(ForwardMode.DRAFT_DECODE, 1)
+        if self.cfg.topk > 1:
+            self.runner.warmup(ForwardMode.DRAFT_DECODE, self.cfg.topk)
+
+    def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, tokens: list[int]) -> None:
+        self.runner.forward(batch)  # the same prompt chunk into the draft pool, at the same slots
+        for req, n in zip(step.reqs, step.extend_lens):
+            req.drafter_state = req.kv_len + n
+
+    def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = [r.drafter_state for r in ctx.reqs]
+        if all(s == L for s, L in zip(starts, ctx.kv_lens)):  # only the root is new: a uniform decode step
+            return self.step_forward(ctx, ctx.roots[:, None], 0, 0, None, None)
+        table = self.engine.allocator.req_to_token_host
+        ids, positions, slots, lens = [], [], [], []
+        for req, start, L in zip(ctx.reqs, starts, ctx.kv_lens):
+            ids.append((req.prompt_ids + req.output_ids)[start: L + 1])
+            positions.append(np.arange(start, L + 1))
+            slots.append(table[req.row, start: L + 1])
+            lens.append(L + 1 - start)
+        parts = [np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), np.cumsum(lens) - 1]
+        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(ctx.roots.device)
+        n = len(parts[0])
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=packed[:n], positions=packed[n:2 * n],
+            out_cache_loc=packed[2 * n:3 * n], req_pool_indices=ctx.rows_t, seq_lens=ctx.kv_lens_t + 1,
+            seq_lens_cpu=[L + 1 for L in ctx.kv_lens], extend_lens_cpu=lens, logits_index=packed[3 * n:])
+        logits, hidden = self.runner.forward(batch)
+        return logits, hidden[batch.logits_index]
+
+    def step_forward(self, ctx: SpecContext, tokens: torch.Tensor, depth: int, col: int,
+                     mask: Optional[torch.Tensor], parent_hidden: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.forward(self.draft_batch(ctx, tokens, depth, col, mask))
+
+    def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
+                  hidden: torch.Tensor, new_roots: list[int]) -> None:
+        for req, L, path in zip(ctx.reqs, ctx.kv_lens, accept_index):
+            valid = min(len(path) - 1, self.cfg.num_steps - 1) if self.cfg.topk == 1 else 0
+            req.drafter_state = L + valid + 1
