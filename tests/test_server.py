@@ -169,6 +169,8 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream", "stream='yes'"),
     ("/v1/completions", {"prompt": "a", "stop": 5}, "stop", "stop=5"),
     ("/v1/completions", {"prompt": "a", "seed": 1.5}, "seed", "seed=1.5"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**70}, "seed", "64 bits"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_k": -2**64}, "top_k", "64 bits"),
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, "model", "model='gpt-4' is not served"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0 is not allowed"),
     ("/v1/completions", {"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens=-3 is not allowed"),

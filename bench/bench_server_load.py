@@ -1,0 +1,157 @@
+"""Throughput of the OpenAI-compatible server under concurrent clients (loopback only).
+
+    .venv/bin/python bench/bench_server_load.py --clients 64 --requests 4 --max-tokens 32 \
+        -- model=tiny_llama compile=eager scheduler.max_running_requests=64
+
+Starts ``train_free_serve.py run=server run.port=0 <overrides>`` in a subprocess (or uses ``--url`` of a running
+server), sends a few warm-up requests, then runs ``--clients`` concurrent clients (the official ``openai`` async
+client), each sending ``--requests`` requests one after another: completions and chat, every other one streamed,
+``max_tokens`` each with ``ignore_eos`` so every request generates exactly that many tokens. Prints requests/s,
+generated tokens/s (completion tokens over the wall time from the first request to the last answer) and latency
+percentiles; ``--json PATH`` also writes them. ``--offline`` also runs the same requests through ``LLM.generate``
+in-process (no HTTP, all submitted at once) as the engine's ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import openai
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "def fibonacci(n):",
+           "Q: What is the capital of Italy?\nA:", "Dear Sir or Madam,", "The three primary colors are"]
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five."]
+DEFAULT_OVERRIDES = ["model=tiny_llama", "compile=eager", "scheduler.max_running_requests=64"]
+
+
+def start_server(overrides: list[str]) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, os.path.join(ROOT, "train_free_serve.py"), "run=server", "run.port=0", *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = "-"
+    while line and not line.startswith("serving"):
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        raise SystemExit(f"the server did not start (exit code {proc.wait()})")
+    return proc, line.split()[3].removesuffix("/v1")
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, i: int, stream: bool,
+                      max_tokens: int) -> dict[str, Any]:
+    """One request; returns its latency, time to first token (streams) and completion tokens."""
+    extra = {"ignore_eos": True}
+    t0 = time.perf_counter()
+    first: Optional[float] = None
+    if i % 3 == 2:
+        kwargs = dict(model=model, messages=[{"role": "user", "content": CHATS[i % len(CHATS)]}],
+                      max_tokens=max_tokens, extra_body=extra)
+        call = client.chat.completions.create
+    else:
+        kwargs = dict(model=model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, extra_body=extra)
+        call = client.completions.create  # type: ignore[assignment]
+    if not stream:
+        out = await call(**kwargs)
+        tokens = out.usage.completion_tokens
+    else:
+        tokens = 0
+        async for chunk in await call(stream=True, stream_options={"include_usage": True}, **kwargs):
+            if first is None and chunk.choices:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
+
+
+async def run_load(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
+    async def one_client(c: int) -> list[dict[str, Any]]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none"),
+                                      max_retries=0, timeout=600) as client:
+            return [await one_request(client, model, c * per_client + j, (c + j) % 2 == 1, max_tokens)
+                    for j in range(per_client)]
+
+    t0 = time.perf_counter()
+    per = await asyncio.gather(*(one_client(c) for c in range(clients)))
+    wall = time.perf_counter() - t0
+    done = [r for rs in per for r in rs]
+    latencies = sorted(r["latency_s"] for r in done)
+    ttfts = sorted(r["ttft_s"] for r in done if r["ttft_s"] is not None)
+    tokens = sum(r["tokens"] for r in done)
+    return {"clients": clients, "requests_per_client": per_client, "requests": len(done), "max_tokens": max_tokens,
+            "output_tokens": tokens, "wall_s": round(wall, 3), "requests_per_s": round(len(done) / wall, 2),
+            "tokens_per_s": round(tokens / wall, 1), "latency_p50_s": round(statistics.median(latencies), 3),
+            "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None}
+
+
+def run_offline(overrides: list[str], requests: int, max_tokens: int) -> dict[str, Any]:
+    """The same requests through ``LLM.generate`` in this process, all submitted at once: the engine's ceiling."""
+    sys.path.insert(0, ROOT)
+    from framework import LLM
+
+    llm = LLM(overrides)
+    items = []
+    for i in range(requests):
+        item: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True}
+        if i % 3 == 2:
+            item["messages"] = [{"role": "user", "content": CHATS[i % len(CHATS)]}]
+        else:
+            item["prompt"] = PROMPTS[i % len(PROMPTS)]
+        items.append(item)
+    llm.generate(items[:4])  # warm-up
+    t0 = time.perf_counter()
+    tokens = sum(len(o.token_ids) for o in llm.generate(items))
+    wall = time.perf_counter() - t0
+    return {"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
+            "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--url", help="a running server (default: start one with the overrides)")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--offline", action="store_true",
+                        help="also run the same requests through LLM.generate in-process (no HTTP), for reference")
+    parser.add_argument("overrides", nargs="*", help=f"Hydra overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
+    args = parser.parse_args()
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args.overrides or DEFAULT_OVERRIDES)
+    try:
+        model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none")).models.list()
+        model_id = model.data[0].id
+        asyncio.run(run_load(url, model_id, 4, 1, 4))  # warm-up
+        result = asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    result["model"] = model_id
+    print(f"\n{'clients':>8} {'requests':>9} {'tokens':>7} {'wall s':>7} {'req/s':>7} {'tok/s':>8} "
+          f"{'p50 s':>6} {'p99 s':>6} {'ttft p50':>9}")
+    print(f"{result['clients']:>8} {result['requests']:>9} {result['output_tokens']:>7} {result['wall_s']:>7.2f} "
+          f"{result['requests_per_s']:>7.1f} {result['tokens_per_s']:>8.1f} {result['latency_p50_s']:>6.2f} "
+          f"{result['latency_p99_s']:>6.2f} {result['ttft_p50_s'] or 0:>9.3f}")
+    if args.offline:
+        ref = run_offline(args.overrides or DEFAULT_OVERRIDES, args.clients * args.requests, args.max_tokens)
+        result["offline"] = ref
+        print(f"offline LLM.generate, all {ref['requests']} requests at once: {ref['requests_per_s']:.1f} req/s, "
+              f"{ref['tokens_per_s']:.1f} tok/s ({ref['output_tokens']} tokens in {ref['wall_s']:.2f} s)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
