@@ -1,8 +1,8 @@
 """When an op launches its Triton kernel and when it runs its plain-torch reference.
 
 NOTE: ``TRITON_INTERPRET=1`` is read once, when this module is imported, because ``@triton.jit`` decides at
-decoration time (when a kernel module is imported) whether a kernel is compiled or interpreted. Set it in the
-environment before any module of ``kernels/`` is imported.
+decoration time whether a kernel is compiled or interpreted. Set it in the environment before the process starts
+(triton.language's own jitted helpers are decorated when triton is first imported, which torch._inductor does).
 
 Rules (every op in ``kernels/`` follows them):
 - CUDA tensors: ``torch.ops.tfs.<op>`` (the Triton kernel; torch.compile traces through it, CUDA graphs capture it).
@@ -30,6 +30,18 @@ def use_triton(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return True
     return INTERPRET and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def interpreter_active() -> bool:
+    """True when kernels run in the Triton interpreter in this process: ``TRITON_INTERPRET=1`` was set before triton
+    was imported, so that triton.language's own jitted helpers (``tl.cdiv``, ``tl.max``, ...) are interpreted too.
+    Setting it later (after ``torch._inductor`` imported triton) interprets our kernels but not those helpers."""
+    if not INTERPRET:
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
 def register_cpu_reference(op: Any, reference: Callable) -> None:

@@ -14,10 +14,10 @@ from framework.kv import KVAllocator, KVPool
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
 
-def make_backend(page_size: int, name: str = "sdpa"):
+def make_backend(page_size: int, name: str = "sdpa", device: str = "cpu", dtype: torch.dtype = torch.float32):
     alloc = KVAllocator(num_tokens=4096, page_size=page_size, max_requests=8, max_context=512,
-                        device=torch.device("cpu"))
-    pool = KVPool(1, alloc.num_slots, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+                        device=torch.device(device))
+    pool = KVPool(1, alloc.num_slots, KV_HEADS, DIM, dtype, torch.device(device))
     return ATTENTION_BACKENDS.build(name, pool, alloc, HEADS, KV_HEADS, DIM), alloc, pool
 
 
@@ -33,16 +33,18 @@ def reference(q, keys, values, allowed):
 
 
 def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: ForwardMode, tree: bool,
-             name: str = "sdpa", mask_extra: int = 0):
-    """``tree``: a random custom mask over each request's last ``new + mask_extra`` keys (parents first)."""
+             name: str = "sdpa", mask_extra: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             tol: float = 1e-4):
+    """``tree``: a random custom mask over each request's last ``new + mask_extra`` keys (parents first).
+    The reference runs in float64 on the CPU; ``device`` / ``dtype`` / ``tol`` serve other backends and the GPU."""
     torch.manual_seed(page_size * 1000 + sum(prefix_lens) + len(new_lens))
-    backend, alloc, pool = make_backend(page_size, name)
+    backend, alloc, pool = make_backend(page_size, name, device, dtype)
     rows = [alloc.alloc_request() for _ in prefix_lens]
     # cached prefix: random K/V written straight into the pool
     if sum(prefix_lens):
         slots = alloc.assign(rows, [0] * len(rows), prefix_lens)
-        pool.k[0][slots] = torch.randn(len(slots), KV_HEADS, DIM)
-        pool.v[0][slots] = torch.randn(len(slots), KV_HEADS, DIM)
+        pool.k[0][slots] = torch.randn(len(slots), KV_HEADS, DIM).to(device, dtype)
+        pool.v[0][slots] = torch.randn(len(slots), KV_HEADS, DIM).to(device, dtype)
     ends = [p + n for p, n in zip(prefix_lens, new_lens)]
     out_cache_loc = alloc.assign(rows, prefix_lens, ends)
     total = sum(new_lens)
@@ -55,15 +57,20 @@ def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: 
         custom = torch.rand(len(rows), n, width) < 0.5
         custom[:, :, mask_extra:] |= torch.eye(n, dtype=torch.bool)
         custom[:, :, mask_extra:] &= torch.ones(n, n, dtype=torch.bool).tril()  # parents come before children
-    batch = ForwardBatch(mode=mode, input_ids=torch.zeros(total, dtype=torch.int64),
-                         positions=torch.zeros(total, dtype=torch.int64), out_cache_loc=out_cache_loc,
-                         req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(ends), seq_lens_cpu=ends,
-                         extend_lens_cpu=new_lens, logits_index=torch.arange(total), custom_mask=custom)
+    if dtype != torch.float32:  # the reference sees exactly what the backend sees
+        q, k, v = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
+    dev = torch.device(device)
+    batch = ForwardBatch(mode=mode, input_ids=torch.zeros(total, dtype=torch.int64, device=dev),
+                         positions=torch.zeros(total, dtype=torch.int64, device=dev), out_cache_loc=out_cache_loc,
+                         req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(ends, device=dev),
+                         seq_lens_cpu=ends, extend_lens_cpu=new_lens, logits_index=torch.arange(total, device=dev),
+                         custom_mask=None if custom is None else custom.to(dev))
     meta = backend.init_metadata(batch)
-    out = backend.forward(q, k, v, 0, meta)
+    out = backend.forward(q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), 0, meta).cpu()
     start = 0
     for b, (row, p, n) in enumerate(zip(rows, prefix_lens, new_lens)):
-        slots = alloc.req_to_token[row, : p + n]
+        slots = alloc.req_to_token[row, : p + n].cpu()
+        keys, values = pool.k[0].cpu().float()[slots], pool.v[0].cpu().float()[slots]
         allowed = torch.zeros(n, p + n, dtype=torch.bool)
         if tree:
             allowed[:, : p - mask_extra] = True
@@ -71,8 +78,8 @@ def run_case(page_size: int, prefix_lens: list[int], new_lens: list[int], mode: 
         else:
             allowed[:, :p] = True
             allowed[:, p:] = torch.ones(n, n, dtype=torch.bool).tril()
-        ref = reference(q[start:start + n], pool.k[0][slots], pool.v[0][slots], allowed)
-        torch.testing.assert_close(out[start:start + n].double(), ref, rtol=1e-4, atol=1e-4)
+        ref = reference(q[start:start + n], keys, values, allowed)
+        torch.testing.assert_close(out[start:start + n].double(), ref, rtol=tol, atol=tol)
         start += n
     for row in rows:
         alloc.free_request(row)

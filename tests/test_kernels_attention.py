@@ -1,0 +1,321 @@
+"""The attention kernels of ``kernels/`` against their plain-torch references, on fresh random inputs.
+
+CPU: the Triton interpreter, small fp32 shapes (the interpreter is slow, and it mishandles bf16 loads).
+``TRITON_INTERPRET=1`` must be in the environment before triton is first imported (triton.language's own jitted
+helpers are decorated then, and conftest imports triton through torch._inductor), so under a plain ``pytest`` the
+interpreted tests run in one subprocess (:func:`test_interpreted_kernels_in_a_subprocess`); with
+``TRITON_INTERPRET=1 pytest ...`` they run in-process. GPU (``pytest -m gpu``): native kernels on Llama-3-8B
+attention shapes in bf16, torch.compile with CUDA graphs, and ``torch.library.opcheck`` in full.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.dispatch import interpreter_active
+from kernels.extend_attention import extend_attention, extend_attention_reference
+from kernels.split_kv_attention import split_policy
+from kernels.store_kv import store_kv, store_kv_reference
+from kernels.verify_attention import verify_attention, verify_attention_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = interpreter_active()
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
+MANY_SPLITS = (8, 1024, 16)  # (max_splits, target_programs, min_split_len): every request splits as far as it can
+ONE_SPLIT = (4, 1, 1 << 20)
+
+
+def paged_table(seq_lens: list[int], page_size: int, width: int, device: str, seed: int):
+    """``req_to_token`` ``[rows, width]`` over shuffled pages (a request's pages are scattered through the pool;
+    positions past its length hold valid slots of stale data), the ``req_pool_indices`` of the batch (not in row
+    order), and the pool size in slots."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, pages_per_row = len(seq_lens) + 2, -(-width // page_size)
+    num_pages = rows * pages_per_row + 1
+    page_of = torch.randperm(num_pages, generator=gen)[: rows * pages_per_row].view(rows, pages_per_row)
+    pos = torch.arange(width)
+    table = page_of[:, pos // page_size] * page_size + pos % page_size  # [rows, width]
+    req_pool_indices = torch.randperm(rows, generator=gen)[: len(seq_lens)]
+    return table.to(device), req_pool_indices.to(device), num_pages * page_size
+
+
+def random_pool(num_slots: int, kv_heads: int, dim: int, dtype: torch.dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    return k.to(device, dtype), v.to(device, dtype)
+
+
+def tree_mask(bs: int, q_len: int, width: int, seed: int) -> torch.Tensor:
+    """``[bs, q_len, width]``: random over the earlier region, a random tree (parents first) over the last q_len."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(bs, q_len, width, generator=gen) < 0.5
+    own = mask[:, :, width - q_len:] & torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    mask[:, :, width - q_len:] = own | torch.eye(q_len, dtype=torch.bool)
+    return mask
+
+
+def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens: list[int], q_len: int,
+                   mask_width, policy: tuple[int, int, int], device: str = "cpu",
+                   dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0) -> None:
+    """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal."""
+    width = max(seq_lens) + 5
+    table, rpi, num_slots = paged_table(seq_lens, page_size, width, device, seed)
+    k_cache, v_cache = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
+    bs = len(seq_lens)
+    q = torch.randn(bs * q_len, heads, dim, generator=torch.Generator().manual_seed(seed + 2)).to(device, dtype)
+    seq = torch.tensor(seq_lens, device=device)
+    scale = dim ** -0.5
+    if q_len == 1 and mask_width is None:
+        out = decode_attention(q, k_cache, v_cache, table, rpi, seq, scale, *policy)
+        ref = decode_attention_reference(q, k_cache, v_cache, table, rpi, seq, scale, *policy)
+    else:
+        mask = None if mask_width is None else tree_mask(bs, q_len, mask_width, seed + 3).to(device)
+        out = verify_attention(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy)
+        ref = verify_attention_reference(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def check_extend(heads: int, kv_heads: int, dim: int, page_size: int, prefix_lens: list[int], new_lens: list[int],
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0) -> None:
+    seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    table, rpi, num_slots = paged_table(seq_lens, page_size, max(seq_lens) + 3, device, seed)
+    k_cache, v_cache = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
+    q = torch.randn(sum(new_lens), heads, dim, generator=torch.Generator().manual_seed(seed + 2)).to(device, dtype)
+    lens = torch.tensor(new_lens, device=device)
+    starts = torch.cumsum(lens, 0) - lens
+    args = (q, k_cache, v_cache, table, rpi, torch.tensor(seq_lens, device=device), starts, lens, max(new_lens),
+            dim ** -0.5)
+    torch.testing.assert_close(extend_attention(*args).float(), extend_attention_reference(*args).float(),
+                               rtol=tol, atol=tol)
+
+
+# ---- CPU: Triton interpreter ------------------------------------------------------------------------------------
+@interpreted
+def test_store_kv_writes_the_slots_and_nothing_else():
+    k_cache, v_cache = random_pool(300, 3, 24, torch.float32, "cpu", 0)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(300)[:37]
+    k = torch.randn(37, 3, 24)
+    v = torch.randn(37, 9, 24)[:, 2:5]  # rows strided like the v of a fused qkv projection
+    store_kv(k_cache, v_cache, slots, k, v)
+    store_kv_reference(expected_k, expected_v, slots, k, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@interpreted
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size,policy", [
+    (4, 4, 16, 1, MANY_SPLITS),  # MHA, one slot per page
+    (6, 2, 16, 16, MANY_SPLITS),  # GQA group 3 (rows not a power of two)
+    (8, 2, 24, 16, ONE_SPLIT),  # head_dim not a power of two; no split
+    (4, 1, 32, 4, MANY_SPLITS),  # MQA
+])
+def test_decode_matches_reference(heads, kv_heads, dim, page_size, policy):
+    check_split_kv(heads, kv_heads, dim, page_size, [1, 17, 64, 250], 1, None, policy, seed=heads + page_size)
+
+
+@interpreted
+@pytest.mark.parametrize("q_len,mask_width", [(4, None), (4, 4), (3, 12), (1, 6)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_verify_matches_reference(q_len, mask_width, page_size):
+    """Causal (no mask), a tree over the new tokens, and a mask reaching into earlier draft tokens."""
+    check_split_kv(6, 2, 16, page_size, [12, 40, 130], q_len, mask_width, MANY_SPLITS, seed=q_len + page_size)
+
+
+@interpreted
+def test_verify_tiles_many_query_rows():
+    """q_len * group = 96 rows: the rows of one KV head span two tiles."""
+    check_split_kv(12, 1, 16, 16, [20, 90], 8, 8, MANY_SPLITS, seed=5)
+
+
+@interpreted
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_matches_reference(page_size):
+    """Ragged: an empty prefix, one new token, new runs longer than one tile, prefix longer than the run, and
+    prefixes that put the diagonal right at a key-tile boundary (prefix + tile start = 30, 31, 32 mod 32)."""
+    check_extend(6, 2, 16, page_size, [0, 5, 37, 100, 30, 15, 48], [7, 1, 40, 33, 17, 34, 20], seed=page_size)
+
+
+@interpreted
+def test_split_count_does_not_change_the_result():
+    seq_lens = [3, 300]
+    results = []
+    for policy in (ONE_SPLIT, MANY_SPLITS, (3, 1024, 1)):
+        table, rpi, slots = paged_table(seq_lens, 16, 310, "cpu", 1)
+        k_cache, v_cache = random_pool(slots, 2, 16, torch.float32, "cpu", 2)
+        q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+        results.append(decode_attention(q, k_cache, v_cache, table, rpi, torch.tensor(seq_lens), 0.25, *policy))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0], results[2], rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_cpu_code_runs_the_references():
+    """torch.compile on the CPU traces the reference (tracing into a triton_op body would need a GPU driver)."""
+    table, rpi, slots = paged_table([9, 33], 4, 40, "cpu", 7)
+    k_cache, v_cache = random_pool(slots, 2, 16, torch.float32, "cpu", 8)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    new_slots = table[rpi, torch.tensor([8, 32])]
+    seq = torch.tensor([9, 33])
+
+    def step(q, k, v, k_cache, v_cache):
+        store_kv(k_cache, v_cache, new_slots, k, v)
+        return decode_attention(q, k_cache, v_cache, table, rpi, seq, 0.25, *ONE_SPLIT)
+
+    caches = k_cache.clone(), v_cache.clone()
+    out = torch.compile(step, fullgraph=True)(q, k, v, *caches)
+    expected = step(q, k, v, k_cache, v_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
+def op_args(device: str) -> dict:
+    """One small argument tuple per op (fp32)."""
+    table, rpi, slots = paged_table([5, 20], 4, 24, device, 9)
+    k_cache, v_cache = random_pool(slots, 2, 16, torch.float32, device, 10)
+    seq = torch.tensor([5, 20], device=device)
+    q2, q6 = torch.randn(2, 4, 16, device=device), torch.randn(6, 4, 16, device=device)
+    mask = tree_mask(2, 3, 5, 11).to(device)
+    lens = torch.tensor([2, 4], device=device)
+    return {
+        "store_kv": (k_cache, v_cache, torch.tensor([3, 7], device=device), torch.randn(2, 2, 16, device=device),
+                     torch.randn(2, 2, 16, device=device)),
+        "decode_attention": (q2, k_cache, v_cache, table, rpi, seq, 0.25, *MANY_SPLITS),
+        "verify_attention": (q6, k_cache, v_cache, table, rpi, seq, mask, 3, 0.25, *MANY_SPLITS),
+        "extend_attention": (q6, k_cache, v_cache, table, rpi, seq, torch.cumsum(lens, 0) - lens, lens, 4, 0.25),
+    }
+
+
+@interpreted
+def test_opcheck_interpreted():
+    """Schema and autograd registration with the interpreted kernels (the fake-tensor checks cannot run an
+    interpreted kernel; they run in the next test and on the GPU)."""
+    for name, args in op_args("cpu").items():
+        torch.library.opcheck(getattr(torch.ops.tfs, name), args,
+                              test_utils=("test_schema", "test_autograd_registration"))
+
+
+def test_opcheck_fake_tensors_without_interpreter():
+    """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body: opcheck
+    compares the two (shapes, dtypes, strides) and the schema's mutation claims."""
+    code = ("import torch; from tests.test_kernels_attention import op_args\n"
+            "for name, args in op_args('cpu').items():\n"
+            "    torch.library.opcheck(getattr(torch.ops.tfs, name), args,\n"
+            "                          test_utils=('test_schema', 'test_autograd_registration', 'test_faketensor'))\n"
+            "print('opcheck ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "opcheck ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def run_interpreted(test_file: str, *pytest_args: str, timeout: int = 600) -> None:
+    """Run ``test_file``'s CPU tests in a fresh ``TRITON_INTERPRET=1`` process; fail with its report."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-m", "not gpu", *pytest_args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+def test_interpreted_kernels_in_a_subprocess():
+    run_interpreted(__file__, "-k", "not subprocess and not without_interpreter and not compiled_cpu_code")
+
+
+# ---- GPU: native kernels ------------------------------------------------------------------------------------------
+LLAMA = dict(heads=32, kv_heads=8, dim=128)  # Llama-3-8B attention
+BF16 = dict(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_on_cuda(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    lens = torch.randint(1, 4096, (32,), generator=gen).tolist()
+    check_split_kv(**LLAMA, page_size=page_size, seq_lens=lens, q_len=1, mask_width=None,
+                   policy=split_policy(torch.device("cuda"), 1), **BF16)
+    check_split_kv(**LLAMA, page_size=page_size, seq_lens=[32768], q_len=1, mask_width=None,
+                   policy=split_policy(torch.device("cuda"), 1), **BF16)
+
+
+@pytest.mark.gpu
+def test_decode_on_cuda_float32_is_exact():
+    check_split_kv(**LLAMA, page_size=16, seq_lens=[1, 100, 3000, 9000], q_len=1, mask_width=None,
+                   policy=split_policy(torch.device("cuda"), 1), device="cuda", tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len,mask_width", [(8, 8), (4, 12), (8, None)])
+def test_verify_on_cuda(q_len, mask_width):
+    lens = torch.randint(16, 4096, (32,), generator=torch.Generator().manual_seed(q_len)).tolist()
+    check_split_kv(**LLAMA, page_size=16, seq_lens=lens, q_len=q_len, mask_width=mask_width,
+                   policy=split_policy(torch.device("cuda"), q_len), **BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_on_cuda(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    prefix = [0] + torch.randint(0, 2048, (7,), generator=gen).tolist()
+    new = [1000] + torch.randint(1, 600, (7,), generator=gen).tolist()
+    check_extend(**LLAMA, page_size=page_size, prefix_lens=prefix, new_lens=new, **BF16)
+
+
+@pytest.mark.gpu
+def test_store_kv_on_cuda():
+    k_cache, v_cache = random_pool(200_000, 8, 128, torch.bfloat16, "cuda", 0)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(200_000, device="cuda")[:4096]
+    k = torch.randn(4096, 8, 128, device="cuda")  # float32 in, cast to the cache dtype
+    v = torch.randn(4096, 24, 128, device="cuda")[:, 8:16]
+    store_kv(k_cache, v_cache, slots, k, v)
+    store_kv_reference(expected_k, expected_v, slots, k, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.gpu
+def test_opcheck_on_cuda():
+    for name, args in op_args("cuda").items():
+        torch.library.opcheck(getattr(torch.ops.tfs, name), args)
+
+
+@pytest.mark.gpu
+def test_store_and_decode_in_a_cuda_graph():
+    """torch.compile(mode="reduce-overhead", fullgraph=True) over store + decode with the cache as static module
+    buffers (as the engine holds them): replays write the pool in place and match the reference."""
+    from framework.kv import KVPool
+
+    lens = [5, 700, 3000, 64]
+    table, rpi, num_slots = paged_table(lens, 16, 3100, "cuda", 3)
+    pool = KVPool(1, num_slots, 8, 128, torch.bfloat16, torch.device("cuda"))
+    ref_k, ref_v = random_pool(num_slots, 8, 128, torch.bfloat16, "cuda", 4)
+    pool.k[0].copy_(ref_k)
+    pool.v[0].copy_(ref_v)
+    torch._dynamo.mark_static_address(table)
+    seq = torch.tensor(lens, device="cuda")
+    new_slots = table[rpi, seq - 1]
+    policy = split_policy(torch.device("cuda"), 1)
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store_kv(pool.k[0], pool.v[0], new_slots, k, v)
+        return decode_attention(q, pool.k[0], pool.v[0], table, rpi, seq, 128 ** -0.5, *policy)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for i in range(3):
+        gen = torch.Generator().manual_seed(i)
+        q, k, v = (torch.randn(4, h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (32, 8, 8))
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(q, k, v).clone()
+        store_kv_reference(ref_k, ref_v, new_slots, k, v)
+        assert torch.equal(pool.k[0], ref_k) and torch.equal(pool.v[0], ref_v)
+        expected = decode_attention_reference(q, ref_k, ref_v, table, rpi, seq, 128 ** -0.5, *policy)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
