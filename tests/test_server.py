@@ -244,6 +244,19 @@ def test_client_disconnect_aborts_and_frees_kv(server, http):
     loop.engine.allocator.assert_all_free()
 
 
+def test_client_gone_before_a_non_streamed_answer_aborts(server):
+    wait_idle(server)
+    loop = server.loop
+    aborts = len(loop.abort_log)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=httpx.Timeout(60, read=1.0),
+                   json={"messages": CHAT, "max_tokens": 900, "ignore_eos": True})
+    wait_idle(server)
+    assert len(loop.abort_log) == aborts + 1 and loop.abort_log[-1].rid.startswith("chatcmpl-")
+    assert loop.abort_log[-1].num_output_tokens < 900
+    loop.engine.allocator.assert_all_free()
+
+
 def test_metrics_endpoint(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
     text = httpx.get(server.url + "/metrics").text
@@ -289,7 +302,7 @@ def test_run_server_from_the_command_line():
                               timeout=120)
         assert busy.returncode == 2 and "run.port=" in busy.stderr and "cannot listen" in busy.stderr
         assert len(busy.stderr.strip().splitlines()) == 1
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as a service manager stops it; Ctrl-C takes the same path
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

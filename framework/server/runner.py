@@ -7,6 +7,7 @@ server in background threads of the calling process: for tests, benchmarks and e
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -66,13 +67,19 @@ def serve(config: Config) -> None:
     auth = "API key required" if run.api_key else "no API key"
     threading.Thread(target=_announce, args=(server, f"serving {run.served_model_name or config.model.name} on "
                                                     f"http://{shown}:{port}/v1 ({auth})"), daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises the signal it handled after shutting down
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: it has shut down cleanly
+    except KeyboardInterrupt:  # the Ctrl-C or SIGTERM that uvicorn handled: it has shut down cleanly
         pass
     finally:
         loop.stop()
         sock.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _announce(server: Any, line: str) -> None:
