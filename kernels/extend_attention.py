@@ -14,7 +14,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.online_softmax import online_softmax_step
+from kernels.online_softmax import dot, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -24,7 +24,7 @@ def _extend_attention_kernel(
     Q, K_cache, V_cache, Out, Req_to_token, Req_pool_indices, Seq_lens, Q_starts, Q_lens, scale_log2e,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     # grid: (bs, cdiv(max_q_len, BLOCK_M), heads)
     b = tl.program_id(0)
@@ -57,20 +57,20 @@ def _extend_attention_kernel(
         slot = tl.load(Req_to_token + req_row * stride_req + j)
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=d_ok[None, :],
                     other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e
         v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=d_ok[None, :],
                     other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
     for n0 in range(full_end, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < end
         slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e
         s = tl.where(j_ok[None, :] & (j[None, :] <= (prefix + t)[:, None]), s, float("-inf"))
         v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_start + t)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -92,13 +92,12 @@ def extend_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         block_m, block_n, warps = 16, 32, 1
     out = torch.empty_like(q)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     wrap_triton(_extend_attention_kernel)[(bs, triton.cdiv(max_q_len, block_m), heads)](
         q, k_cache, v_cache, out, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=heads // k_cache.shape[1], HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=precision, num_warps=warps, num_stages=2,
+        IEEE_DOT=k_cache.dtype == torch.float32, num_warps=warps, num_stages=2,
     )
     return out
 

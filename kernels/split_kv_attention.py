@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from kernels.online_softmax import online_softmax_step
+from kernels.online_softmax import dot, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -42,7 +42,7 @@ def _split_kv_partial_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     b = tl.program_id(0) // M_BLOCKS
@@ -78,7 +78,7 @@ def _split_kv_partial_kernel(
         slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if HAS_MASK:
             rel = j[None, :] - region
             in_region = rel >= 0
@@ -89,7 +89,7 @@ def _split_kv_partial_kernel(
             allowed = j_ok[None, :] & (j[None, :] <= last_key[:, None])
         s = tl.where(allowed, s, float("-inf"))
         v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
@@ -146,7 +146,6 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_m, m_blocks = _tile_rows(q_len * group)
     block_d = max(16, triton.next_power_of_2(dim))
     block_n = 64 if q.is_cuda else 32
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     mid_o = torch.empty((n, heads, max_splits, dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -162,7 +161,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_MASK=has_mask, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,

@@ -34,6 +34,7 @@ class TritonMetadata:
     req_pool_indices: torch.Tensor  # [bs] rows of req_to_token
     seq_lens: torch.Tensor  # [bs] keys of each request after this forward
     q_len: int  # uniform modes: tokens per request; EXTEND: the longest request's new tokens
+    split_policy: tuple[int, int, int]  # (max_splits, target_programs, min_split_len) of the split-K kernel
     custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] bool over each request's last keys
     q_starts: Optional[torch.Tensor] = None  # EXTEND: [bs] first flat token of each request
     q_lens: Optional[torch.Tensor] = None  # EXTEND: [bs] new tokens of each request
@@ -80,7 +81,7 @@ class TritonBackend(AttentionBackend):
         table = self.allocator.req_to_token
         if batch.mode.uniform:
             return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
-                                  batch.custom_mask)
+                                  self.policy(batch.q_len), batch.custom_mask)
         if batch.custom_mask is not None:
             raise NotImplementedError("attention=triton: EXTEND with a custom mask (masks are for uniform modes)")
         lens = list(batch.extend_lens_cpu)
@@ -89,7 +90,7 @@ class TritonBackend(AttentionBackend):
             starts[i] = starts[i - 1] + lens[i - 1]
         packed = torch.tensor(starts + lens, dtype=torch.int64).to(batch.input_ids.device, non_blocking=True)
         return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, max(lens),
-                              q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
+                              self.policy(1), q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
 
     def dynamic_dims(self, meta: TritonMetadata) -> list[tuple[torch.Tensor, int]]:
         dims = [(meta.out_cache_loc, 0), (meta.req_pool_indices, 0), (meta.seq_lens, 0)]
@@ -106,8 +107,8 @@ class TritonBackend(AttentionBackend):
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)
         elif meta.q_len == 1 and meta.custom_mask is None:
             out = self._decode(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               self.scale, *self.policy(1))
+                               self.scale, *meta.split_policy)
         else:
             out = self._verify(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               meta.custom_mask, meta.q_len, self.scale, *self.policy(meta.q_len))
+                               meta.custom_mask, meta.q_len, self.scale, *meta.split_policy)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * head_dim]
