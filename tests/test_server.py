@@ -257,6 +257,20 @@ def test_client_gone_before_a_non_streamed_answer_aborts(server):
     loop.engine.allocator.assert_all_free()
 
 
+def _thread_cpu_ticks(native_id: int) -> int:
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_idle_engine_loop_sleeps(server):
+    wait_idle(server)
+    native_id = server.loop._thread.native_id
+    before = _thread_cpu_ticks(native_id)
+    time.sleep(1.0)
+    assert _thread_cpu_ticks(native_id) - before <= 1  # blocked on its queue, not polling
+
+
 def test_metrics_endpoint(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
     text = httpx.get(server.url + "/metrics").text

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -22,8 +21,6 @@ from framework.config import SamplingConfig
 from framework.server import protocol, responses
 from framework.server.loop import EngineLoop, Event
 from framework.server.protocol import APIError, ParsedRequest
-
-log = logging.getLogger(__name__)
 
 
 def create_app(loop: EngineLoop, served_model: str, sampling_defaults: SamplingConfig,
@@ -117,13 +114,13 @@ async def wait_final(loop: EngineLoop, rid: str, request: Request, events: async
     """The request's "finish" event, or None (and the request aborted) if the client disconnects first;
     raises the request's error."""
     disconnected = asyncio.ensure_future(_client_gone(request))
+    getter: Optional[asyncio.Future] = None
     done = False
     try:
         while True:
             getter = asyncio.ensure_future(events.get())
             await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
-                getter.cancel()
                 return None
             event: Event = getter.result()
             if event.kind == "error":
@@ -134,6 +131,8 @@ async def wait_final(loop: EngineLoop, rid: str, request: Request, events: async
                 return event
     finally:
         disconnected.cancel()
+        if getter is not None:
+            getter.cancel()
         if not done:
             loop.abort(rid)
 

@@ -60,7 +60,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise APIError(f"the request body is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+        where = f"{err.msg} at line {err.lineno} column {err.colno}"
+        raise APIError(f"the request body is not valid JSON ({where})") from None
     except UnicodeDecodeError:
         raise APIError("the request body is not valid UTF-8 JSON") from None
     if not isinstance(body, dict):

@@ -6,7 +6,6 @@ server in background threads of the calling process: for tests, benchmarks and e
 
 from __future__ import annotations
 
-import logging
 import signal
 import socket
 import threading
@@ -16,8 +15,6 @@ from typing import Any, Callable, Optional
 from framework.config import Config, ConfigError
 from framework.server.app import create_app
 from framework.server.loop import EngineLoop
-
-log = logging.getLogger(__name__)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
