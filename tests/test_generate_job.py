@@ -42,3 +42,20 @@ def test_builtin_samples_and_multirun(tmp_path):
                    "run.progress=false", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("What is the capital of France?") == 2  # both sweep jobs printed the samples
+
+
+def test_speculative_sweep_writes_table_and_plot(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": "r", "prompt": "a b c d a b c d a b c d a b", "max_tokens": 12}\n')
+    proc = run_cli("-m", "model=tiny_llama", "compile=eager", "speculative=none,ngram", "speculative.num_steps=3",
+                   f"run.prompts_file={src}", f"run.output_file={dst}", "run.progress=false",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "sweep" / "sweep_summary.md").read_text()
+    assert "| 1 | ngram | num_steps=3 topk=1 num_draft_tokens=4 |" in summary and "| 0 | none |" in summary
+    assert (tmp_path / "sweep" / "sweep_plot.png").read_bytes()[:4] == b"\x89PNG"
+    row = json.loads(dst.read_text())  # the last job (ngram) wrote the output file
+    assert set(row["spec"]) == {"num_verify_steps", "mean_accept_len"} and row["spec"]["num_verify_steps"] >= 1
+    metrics = json.loads((tmp_path / "sweep" / "1" / "metrics.json").read_text())
+    assert {"mean_accept_len", "accept_rate_per_position", "draft_time_share", "verify_time_share"} <= set(metrics)
+    assert len(metrics["accept_rate_per_position"]) == 3

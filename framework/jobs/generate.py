@@ -58,8 +58,20 @@ def generate_items(engine, items: list[dict[str, Any] | str], progress: bool) ->
 def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
     wall = engine.stats.wall_s
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"num_requests": len(outputs), "num_output_tokens": tokens, "wall_s": round(wall, 4),
-            "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0, "startup_s": round(engine.startup_s, 2)}
+    out = {"num_requests": len(outputs), "num_output_tokens": tokens, "wall_s": round(wall, 4),
+           "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0, "startup_s": round(engine.startup_s, 2)}
+    if engine.spec_worker is not None:
+        out.update(engine.spec_worker.stats.summary())
+        sp = engine.config.speculative
+        out["spec_params"] = {"num_steps": sp.num_steps, "topk": sp.topk, "num_draft_tokens": sp.num_draft_tokens}
+    return out
+
+
+def hydra_job_dir() -> Path | None:
+    """The Hydra job's output directory when running under Hydra (multirun sweeps read metrics from there)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
 @JOBS.register("generate")
@@ -83,12 +95,16 @@ def run_generate(config: Config) -> int:
         for out in outputs:
             print(json.dumps(out.to_json(), ensure_ascii=False))
     summary = metrics(engine, outputs)
-    if run.metrics_file:
-        Path(run.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(run.metrics_file).write_text(json.dumps(summary, indent=2) + "\n")
+    job_dir = hydra_job_dir()
+    for path in filter(None, [run.metrics_file, job_dir and job_dir / "metrics.json"]):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
     errors = sum(o.finish_reason == "error" for o in outputs)
-    print(f"\n{'requests':>10} {'errors':>7} {'out tokens':>11} {'wall s':>8} {'tokens/s':>9} {'startup s':>10}")
+    spec = "mean_accept_len" in summary
+    print(f"\n{'requests':>10} {'errors':>7} {'out tokens':>11} {'wall s':>8} {'tokens/s':>9} {'startup s':>10}"
+          + (f"{'accept len':>11}" if spec else ""))
     print(f"{summary['num_requests']:>10} {errors:>7} {summary['num_output_tokens']:>11} {summary['wall_s']:>8.2f} "
-          f"{summary['tokens_per_s']:>9.1f} {summary['startup_s']:>10.1f}")
+          f"{summary['tokens_per_s']:>9.1f} {summary['startup_s']:>10.1f}"
+          + (f"{summary['mean_accept_len']:>11.2f}" if spec else ""))
     engine.allocator.assert_all_free()
     return 0

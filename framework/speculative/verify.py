@@ -55,6 +55,13 @@ def target_probs(logits: torch.Tensor, sampling: SamplingBatch, n: int) -> torch
     return torch.where(greedy, onehot, probs).view(bs, n, -1)
 
 
+def residual_after_rejection(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(0, p - q)) per row ``[bs, vocab]``; rows where that is all zero keep p."""
+    leftover = (p - q).clamp(min=0)
+    mass = leftover.sum(-1, keepdim=True)
+    return torch.where(mass > 0, leftover / mass.clamp(min=1e-30), p)
+
+
 def verify(tree: DraftTree, logits: torch.Tensor, sampling: SamplingBatch, num_steps: int,
            max_children: int) -> VerifyResult:
     """logits ``[bs * n, vocab]`` (float32) of the target over the tree nodes."""
@@ -117,10 +124,7 @@ def verify_stochastic(tree: DraftTree, p_nodes: torch.Tensor, sampling: Sampling
                 accept = trying & (torch.gather(u, 1, child.clamp(min=0)[:, None])[:, 0] < ratio)
                 chosen = torch.where(accept, child, chosen)
                 rejected = (trying & ~accept)[:, None]
-                leftover = (residual - q_row).clamp(min=0)
-                mass = leftover.sum(-1, keepdim=True)
-                leftover = torch.where(mass > 0, leftover / mass.clamp(min=1e-30), residual)
-                residual = torch.where(rejected, leftover, residual)
+                residual = torch.where(rejected, residual_after_rejection(residual, q_row), residual)
         moved = chosen >= 0
         bonus = sample_from_probs(residual, sampling.seeds, sampling.steps, salt=SALT_RESIDUAL + depth)
         emitted = torch.where(moved, torch.gather(tree.tokens, 1, chosen.clamp(min=0)[:, None])[:, 0], bonus)

@@ -80,6 +80,9 @@ class SpecWorker:
         if tree is None:  # nothing drafted for any request: a plain decode step (its slots were assigned above)
             for req, L in zip(reqs, kv_lens):
                 alloc.truncate(req.row, L + 1)
+                req.spec_verify_steps += 1  # an iteration that emits one token
+                req.spec_accepted_tokens += 1
+            self._record([1] * bs, time.perf_counter() - t0, 0.0)
             return eng.plain_step(step)
         t1 = time.perf_counter()
 

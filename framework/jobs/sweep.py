@@ -1,0 +1,78 @@
+"""A Hydra callback that, at the end of a multirun sweep, writes one comparison table (drafter, params,
+mean_accept_len, tokens/s) and a PNG plot of tokens/s against mean_accept_len into the sweep directory.
+
+Each ``run=generate`` job writes ``metrics.json`` into its own output directory; this reads them back."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+PARAMS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per finished job: the drafter, its parameters, the job's overrides and its metrics."""
+    rows = []
+    for metrics_file in sorted(sweep_dir.glob("*/metrics.json"), key=lambda p: int(p.parent.name)
+                               if p.parent.name.isdigit() else 0):
+        job = metrics_file.parent
+        metrics = json.loads(metrics_file.read_text())
+        cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
+        spec = {**cfg.get("speculative", {}), **metrics.get("spec_params", {})}  # resolved values win
+        rows.append({"job": job.name, "drafter": spec.get("name", "none"),
+                     "params": " ".join(f"{k}={spec.get(k)}" for k in PARAMS) if spec.get("name") != "none" else "-",
+                     "overrides": " ".join(overrides), "mean_accept_len": metrics.get("mean_accept_len", 1.0),
+                     "tokens_per_s": metrics.get("tokens_per_s", 0.0)})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| job | drafter | params | mean_accept_len | tokens/s | overrides |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['job']} | {r['drafter']} | {r['params']} | {r['mean_accept_len']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['overrides']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for drafter in sorted({r["drafter"] for r in rows}):
+        pts = [r for r in rows if r["drafter"] == drafter]
+        ax.scatter([r["mean_accept_len"] for r in pts], [r["tokens_per_s"] for r in pts], label=drafter)
+        for r in pts:
+            ax.annotate(r["job"], (r["mean_accept_len"], r["tokens_per_s"]), fontsize=7)
+    ax.set_xlabel("mean accepted length (tokens per verify step)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("speculative decoding sweep")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect(sweep_dir)
+        if not rows:
+            return
+        text = table(rows)
+        (sweep_dir / "sweep_summary.md").write_text(text)
+        plot(rows, sweep_dir / "sweep_plot.png")
+        print(f"\nsweep summary ({sweep_dir}):\n{text}")
