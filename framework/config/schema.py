@@ -84,7 +84,7 @@ class SpeculativeConfig:
     topk: int = 1  # branching per step (1 = a chain)
     num_draft_tokens: int = 0  # tree budget including the root; 0: num_steps + 1 (chain) / 1 + topk * num_steps
     ngram_min: int = 1  # ngram: shortest suffix looked up
-    ngram_max: int = 4  # ngram: longest suffix looked up
+    ngram_max: int = 6  # ngram: longest suffix looked up
     exit_layer: int = 0  # layer_skip: draft with layers [0, exit_layer) (0: the model's default)
     skip_layers: list[int] = field(default_factory=list)  # layer_skip: or skip these layers instead
     draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer

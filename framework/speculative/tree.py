@@ -16,15 +16,16 @@ def chain_tree(tokens: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Ten
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """``[bs, n, n]`` bool: node i may attend node j iff j is i or one of its ancestors (parents[:, i] < i)."""
+    """``[bs, n, n]`` bool: node i may attend node j iff j is i or one of its ancestors (parents[:, i] < i).
+
+    The reflexive-transitive closure of the parent relation by repeated squaring: log2(n) small matmuls."""
     bs, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(bs, n, n)
-    mask = eye.clone()
-    parent_rows = parents.clamp(min=0)
-    for _ in range(n - 1):  # each pass inherits the parent's row; depth <= n - 1
-        inherited = torch.gather(mask, 1, parent_rows[:, :, None].expand(bs, n, n))
-        mask = eye | (inherited & (parents >= 0)[:, :, None])
-    return mask
+    eye = torch.eye(n, device=parents.device).expand(bs, n, n)
+    reach = eye + torch.zeros(bs, n, n, device=parents.device).scatter_(
+        2, parents.clamp(min=0)[:, :, None], (parents >= 0)[:, :, None].float())  # self + parent
+    for _ in range(max(1, (n - 1).bit_length())):  # paths of length 2^k after k squarings
+        reach = (reach @ reach).clamp(max=1.0)
+    return reach > 0
 
 
 def children_table(parents: torch.Tensor, valid: torch.Tensor, max_children: int) -> torch.Tensor:

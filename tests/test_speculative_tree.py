@@ -1,0 +1,68 @@
+"""Tree utilities and greedy verification on hand-made and random trees."""
+
+from __future__ import annotations
+
+import torch
+
+from framework.speculative.tree import ancestor_mask, chain_tree, children_table, select_tree
+from framework.speculative.verify import verify_greedy
+
+
+def random_parents(bs: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    rows = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)] for _ in range(bs)]
+    return torch.tensor(rows)
+
+
+def reference_mask(parents: torch.Tensor) -> torch.Tensor:
+    bs, n = parents.shape
+    mask = torch.zeros(bs, n, n, dtype=torch.bool)
+    for b in range(bs):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[b, i, j] = True
+                j = int(parents[b, j])
+    return mask
+
+
+def test_ancestor_mask_matches_a_walk_up_the_tree():
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 8, 17, 33):
+        parents = random_parents(5, n, gen)
+        assert torch.equal(ancestor_mask(parents), reference_mask(parents)), n
+
+
+def test_children_table_lists_valid_children_in_order():
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 0, 3]])
+    valid = torch.tensor([[True, True, True, True, False, True, True]])
+    table = children_table(parents, valid, 3)
+    assert table[0, 0].tolist() == [1, 2, 5] and table[0, 1].tolist() == [3, -1, -1]
+    assert table[0, 3].tolist() == [6, -1, -1] and (table[0, 4:] == -1).all()
+
+
+def test_select_tree_keeps_parents_first_and_best_scores():
+    roots = torch.tensor([7])
+    # candidates: 0,1 children of the root; 2,3 children of 0; 4 child of 1; 5 child of 2
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2]])
+    scores = torch.tensor([[-0.1, -2.0, -0.3, -3.0, -2.5, -0.4]])
+    depths = torch.tensor([[1, 1, 2, 2, 2, 3]])
+    tree = select_tree(roots, tokens, parents, scores, depths, num_nodes=5)
+    assert tree.tokens.tolist() == [[7, 10, 11, 12, 15]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 3]] and tree.depths.tolist() == [[0, 1, 1, 2, 3]]
+
+
+def test_greedy_verify_follows_the_argmax_path():
+    # tree: root(0) -> 1 (tok 5), 2 (tok 6); 1 -> 3 (tok 8); 2 -> 4 (tok 9)
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 0, 1, 2]])
+    tokens = torch.tensor([[4, 5, 6, 8, 9], [4, 5, 6, 8, 9]])
+    tree = chain_tree(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    tree.parents, tree.depths = parents, torch.tensor([[0, 1, 1, 2, 2]] * 2)
+    vocab = 12
+    argmax = torch.tensor([[6, 0, 9, 0, 3], [5, 8, 0, 2, 0]])  # target token after each node
+    logits = torch.nn.functional.one_hot(argmax, vocab).float().view(-1, vocab)
+    res = verify_greedy(tree, logits, num_steps=2, max_children=2)
+    # request 0: root->6 (node 2) -> 9 (node 4), bonus 3; request 1: root->5 (node 1) -> 8 (node 3), bonus 2
+    assert res.accept_index.tolist() == [[0, 2, 4], [0, 1, 3]]
+    assert res.accept_lens.tolist() == [3, 3] and res.bonus.tolist() == [3, 2]
+    assert res.accept_tokens.view(2, 3).tolist() == [[6, 9, 3], [5, 8, 2]]
