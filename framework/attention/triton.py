@@ -49,10 +49,14 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
         super().__init__(pool, allocator, num_heads, num_kv_heads, head_dim)
-        from kernels.dispatch import INTERPRET  # triton-free: the check comes before triton is imported
+        from kernels.dispatch import INTERPRET, interpreter_active  # triton-free module: checked before triton
 
-        if allocator.device.type != "cuda" and not INTERPRET:
-            raise ConfigError(NEEDS_CUDA)
+        if allocator.device.type != "cuda":
+            if not INTERPRET:
+                raise ConfigError(NEEDS_CUDA)
+            if not interpreter_active():
+                raise ConfigError("attention=triton on the CPU: TRITON_INTERPRET=1 must be set before the process "
+                                  "starts (triton was imported without it)")
         if num_heads % num_kv_heads:
             raise ConfigError(f"attention=triton: {num_heads} query heads are not a multiple of "
                               f"{num_kv_heads} KV heads")
