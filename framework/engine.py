@@ -93,7 +93,7 @@ class Engine:
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,
-                                   reserve_tokens=self.spec_width)
+                                   reserve_tokens=max(1, self.spec_width))
         self.drafter = DRAFTERS.build(spec.name, self, spec)
         self.spec_worker = SpecWorker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
@@ -189,7 +189,11 @@ class Engine:
         logits, hidden = self.runner.forward(batch)
         tokens = sample(logits, batch.sampling).tolist()
         if step.mode is ForwardMode.EXTEND and self.drafter is not None:
-            self.drafter.on_prefill(batch, step, hidden, tokens)
+            # the root of a request whose prefill completes: the sampled token, or after a preemption's
+            # re-prefill its last generated token
+            roots = [token if gets else (r.output_ids[-1] if r.kv_len + n >= r.prefill_target else None)
+                     for r, n, gets, token in zip(step.reqs, step.extend_lens, step.samples, tokens)]
+            self.drafter.on_prefill(batch, step, hidden, roots)
         return self.scheduler.process(step, tokens)
 
     def generate(self, items: Iterable[dict[str, Any]],

@@ -27,6 +27,7 @@ class Request:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0  # tokens emitted by verify steps, bonus included
     drafter_state: Any = None  # the drafter's per-request state (n-gram index, draft KV length, ...)
+    num_preemptions: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -34,8 +35,21 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens whose K/V must be in the pool before decoding: the prompt, plus, after a preemption, every
+        generated token but the last (which is the next decode input)."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
     def prefilled(self) -> bool:
-        return self.kv_len >= len(self.prompt_ids)
+        return self.kv_len >= self.prefill_target
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n): end - n]
 
     @property
     def finished(self) -> bool:

@@ -30,12 +30,13 @@ class ScheduledStep:
 class Scheduler:
     """Prefill first (chunked to ``max_prefill_tokens``), otherwise one decode step for every running request.
 
-    Admission reserves KV for a request's worst case (prompt + max_new_tokens, plus ``reserve_tokens`` of
-    speculative slack), so a running request never runs out of slots.
+    Admission needs the prompt's pages next to what the running requests need for their next step
+    (``reserve_tokens`` positions each: 1, or the speculative width). When a decode step cannot get its pages,
+    the newest requests are preempted (their KV freed) and re-run later from prompt + generated tokens.
     """
 
     def __init__(self, cfg: SchedulerConfig, allocator: KVAllocator, eos_ids: set[int],
-                 detokenize: Callable[[list[int]], str], device: torch.device, reserve_tokens: int = 0) -> None:
+                 detokenize: Callable[[list[int]], str], device: torch.device, reserve_tokens: int = 1) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.eos_ids = eos_ids
@@ -43,7 +44,8 @@ class Scheduler:
         self.device = device
         self.reserve_tokens = reserve_tokens
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admitted: holding a req row and KV (prefilling or decoding)
+        self.running: list[Request] = []  # admitted, oldest first: holding a req row and KV
+        self.num_preemptions = 0
 
     # ---- queues ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -74,42 +76,68 @@ class Scheduler:
             self.allocator.free_request(req.row)
             req.row = -1
 
-    # ---- admission ------------------------------------------------------------------------------------
-    def _worst_pages(self, req: Request) -> int:
-        return self.allocator.pages_for(min(req.max_total_len() + self.reserve_tokens, self.allocator.max_context))
+    # ---- admission and preemption --------------------------------------------------------------------
+    def _pages_for_next(self, req: Request, tokens: int) -> int:
+        """Pages ``req`` lacks to hold ``tokens`` more positions."""
+        return max(0, self.allocator.pages_for(min(req.kv_len + tokens, self.allocator.max_context))
+                   - self.allocator.num_pages_of(req.row))
 
-    def _free_pages_after_reservations(self) -> int:
-        reserved = sum(max(0, self._worst_pages(r) - self.allocator.num_pages_of(r.row)) for r in self.running)
-        return self.allocator.num_free_pages - reserved
+    def _step_pages(self, reqs: list[Request]) -> int:
+        """Pages a decode (or speculative) step of ``reqs`` needs on top of what they hold."""
+        return sum(self._pages_for_next(r, self.reserve_tokens) for r in reqs)
+
+    def preempt(self, req: Request) -> None:
+        """Retract a running request: free its KV and queue it first; it re-runs from prompt + generated tokens
+        (the re-prefill covers every generated token but the last), so nothing is lost."""
+        self.running.remove(req)
+        self.allocator.free_request(req.row)
+        req.row, req.kv_len = -1, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
 
     def schedule(self) -> Optional[ScheduledStep]:
-        """Pick the next forward: EXTEND if any prompt tokens are pending or admittable, else DECODE."""
+        """Pick the next forward: EXTEND if prompt tokens are pending or a waiting request fits, else DECODE for
+        every prefilled request, preempting the newest requests when the pool cannot hold their next step."""
         budget = self.cfg.max_prefill_tokens
         reqs, lens, samples = [], [], []
         for req in self.running:  # continue chunked prefills first
             if not req.prefilled and budget > 0:
-                n = min(len(req.prompt_ids) - req.kv_len, budget)
-                reqs.append(req), lens.append(n), samples.append(req.kv_len + n == len(req.prompt_ids))
+                n = min(req.prefill_target - req.kv_len, budget)
+                reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
                 budget -= n
-        free_pages = self._free_pages_after_reservations()
+        # admission: the new prompt's pages must fit next to what running requests need for their next step
+        free = (self.allocator.num_free_pages - self._step_pages([r for r in self.running if r.prefilled])
+                - sum(self._pages_for_next(r, n) for r, n in zip(reqs, lens)))
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            need = self._worst_pages(req)
-            if need > free_pages:
+            n = min(req.prefill_target, budget)
+            need = self.allocator.pages_for(n + (self.reserve_tokens if n == req.prefill_target else 0))
+            if need > free:
                 break
             self.waiting.popleft()
-            free_pages -= need
+            free -= need
             req.row = self.allocator.alloc_request()
             self.running.append(req)
-            n = min(len(req.prompt_ids), budget)
-            reqs.append(req), lens.append(n), samples.append(n == len(req.prompt_ids))
+            reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
         if reqs:
             return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples)
         decoding = [r for r in self.running if r.prefilled]
+        while len(self.running) > 1 and self._step_pages(decoding) > self.allocator.num_free_pages:
+            victim = self.running[-1]  # the newest
+            self.preempt(victim)
+            if victim in decoding:
+                decoding.remove(victim)
         if not decoding:
             return None
         return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding), [True] * len(decoding))
+
+    @staticmethod
+    def _samples(req: Request, n: int) -> bool:
+        """A prefill chunk samples a token when it completes a fresh request's prompt (a re-prefill after a
+        preemption already has its next token)."""
+        return req.kv_len + n == req.prefill_target and not req.output_ids
 
     # ---- batch building -------------------------------------------------------------------------------
     def build_batch(self, step: ScheduledStep) -> ForwardBatch:
@@ -119,7 +147,7 @@ class Scheduler:
         ends = [s + n for s, n in zip(starts, lens)]
         out_cache_loc = self.allocator.assign([r.row for r in reqs], starts, ends)
         if step.mode is ForwardMode.EXTEND:
-            ids = np.concatenate([np.asarray(r.prompt_ids[s:e], dtype=np.int64) for r, s, e in zip(reqs, starts, ends)])
+            ids = np.concatenate([np.asarray(r.token_slice(s, e), dtype=np.int64) for r, s, e in zip(reqs, starts, ends)])
             positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
             logits_index = np.cumsum(lens) - 1
         else:

@@ -92,8 +92,8 @@ def test_chunked_prefill_gives_the_same_tokens(solo_outputs):
 
 
 def test_small_kv_pool_queues_requests(solo_outputs):
-    # room for two worst-case requests at a time: the rest wait for KV and still complete identically
-    llm = LLM(TINY + ["scheduler.max_context=128", "kv.max_total_tokens=160", "kv.page_size=4"])
+    # the prompts together need more pages than the pool has: admission makes the rest wait
+    llm = LLM(TINY + ["scheduler.max_context=64", "kv.max_total_tokens=72", "kv.page_size=4"])
     scheduler, peak = llm.engine.scheduler, []
     schedule = scheduler.schedule
     scheduler.schedule = lambda: (peak.append((len(scheduler.running), len(scheduler.waiting))), schedule())[1]
@@ -143,3 +143,14 @@ def test_chat_messages_use_the_template(tiny_llm):
     out = tiny_llm.generate([{"messages": msgs, "max_tokens": 3}])[0]
     assert out.num_prompt_tokens == len(tiny_llm.tokenizer(text, add_special_tokens=False)["input_ids"])
     assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("spec", [[], ["speculative=ngram", "speculative.num_steps=3"],
+                                  ["speculative=eagle", "speculative.num_steps=2"],
+                                  ["speculative=draft_model", "speculative.draft_model=tiny_llama"]])
+def test_preemption_loses_nothing(solo_outputs, spec):
+    """A pool that holds about two full requests: the newest are preempted and re-run; output is unchanged."""
+    llm = LLM(TINY + spec + ["scheduler.max_context=96", "kv.max_total_tokens=112", "kv.page_size=4"])
+    outs = llm.generate(reqs())
+    assert [o.token_ids for o in outs] == solo_outputs
+    assert llm.engine.scheduler.num_preemptions > 0

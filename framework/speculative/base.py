@@ -61,8 +61,9 @@ class Drafter:
     max_children = 1  # siblings per node in the proposed trees (topk for tree drafters)
 
     def on_prefill(self, batch: "ForwardBatch", step: "ScheduledStep", hidden: torch.Tensor,
-                   tokens: list[int]) -> None:
-        """After a target EXTEND forward (``hidden`` [num_tokens, hidden], ``tokens`` sampled per request)."""
+                   roots: list[Optional[int]]) -> None:
+        """After a target EXTEND forward (``hidden`` [num_tokens, hidden]); ``roots[i]`` is request i's next
+        decode input when this chunk completes its prefill, else None."""
 
     def warmup(self) -> None:
         """Compile the drafter's own graphs ahead of serving (model drafters)."""

@@ -53,7 +53,7 @@ class DraftModelDrafter(ModelDrafter):
         if self.cfg.topk > 1:
             self.runner.warmup(ForwardMode.DRAFT_DECODE, self.cfg.topk)
 
-    def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, tokens: list[int]) -> None:
+    def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
         self.runner.forward(batch)  # the same prompt chunk into the draft pool, at the same slots
         for req, n in zip(step.reqs, step.extend_lens):
             req.drafter_state = req.kv_len + n
@@ -65,7 +65,7 @@ class DraftModelDrafter(ModelDrafter):
         table = self.engine.allocator.req_to_token_host
         ids, positions, slots, lens = [], [], [], []
         for req, start, L in zip(ctx.reqs, starts, ctx.kv_lens):
-            ids.append((req.prompt_ids + req.output_ids)[start: L + 1])
+            ids.append(req.token_slice(start, L + 1))
             positions.append(np.arange(start, L + 1))
             slots.append(table[req.row, start: L + 1])
             lens.append(L + 1 - start)

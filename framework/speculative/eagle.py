@@ -126,19 +126,21 @@ class EagleDrafter(ModelDrafter):
             req.drafter_state = EagleState(kv_len=ends[i], logits=logits[i], hidden=last[i],
                                            carry=req.drafter_state.carry if req.drafter_state else None)
 
-    def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, tokens: list[int]) -> None:
-        """Positions [s, e) of each chunk, plus the sampled root when the prompt is complete: token p pairs with
-        the target's hidden state of p - 1 (zeros before the first token)."""
+    def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
+        """Positions [s, e) of each chunk, plus the root when the prefill is complete: token p pairs with the
+        target's hidden state of p - 1 (zeros before the first token)."""
         alloc = self.engine.allocator
         reqs, rows, starts, ids, hiddens = [], [], [], [], []
         offset = 0
-        for req, n, done, token in zip(step.reqs, step.extend_lens, step.samples, tokens):
+        for req, n, root in zip(step.reqs, step.extend_lens, roots):
             s = req.kv_len
             chunk = hidden[offset: offset + n]
             offset += n
             state = req.drafter_state
-            prev = state.carry if state is not None and state.carry is not None else torch.zeros_like(chunk[0])
-            seq = req.prompt_ids[s: s + n] + ([token] if done else [])
+            carry = state.carry if s > 0 and state is not None and state.carry is not None else None
+            prev = carry if carry is not None else torch.zeros_like(chunk[0])
+            done = root is not None
+            seq = req.token_slice(s, s + n) + ([root] if done else [])
             h = torch.cat([prev[None], chunk[: len(seq) - 1]])
             if done:
                 alloc.assign([req.row], [s + n], [s + n + 1])  # the root's slot in the head's pool
