@@ -125,8 +125,13 @@ def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int,
     sdpa_fn = lambda: sdpa_flash(q, k, v)  # noqa: E731
     ref = sdpa_fn()
     check("triton decode", triton_fn(), ref)
-    check("flex decode", flex_call(), ref)
-    row = {"triton": time_us(triton_fn, repeat), "flex": time_us(flex_call, repeat), "sdpa": time_us(sdpa_fn, repeat)}
+    row = {"triton": time_us(triton_fn, repeat), "sdpa": time_us(sdpa_fn, repeat)}
+    try:  # torch 2.11's flex template fails to compile for > 2^31-element gathers (int32/int64 index mix)
+        check("flex decode", flex_call(), ref)
+        row["flex"] = time_us(flex_call, repeat)
+    except Exception as err:  # noqa: BLE001  report and go on with the other columns
+        print(f"flex failed at bs={bs} context={context}: {str(err).splitlines()[0][:120]}", flush=True)
+        row["flex"] = float("nan")
     if with_verify:
         q8 = torch.randn(bs * DRAFT, HEADS, DIM, generator=gen).to("cuda", torch.bfloat16)
         mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5

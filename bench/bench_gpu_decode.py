@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--modes", nargs="+", default=["reduce_overhead", "eager"])
+    ap.add_argument("--modes", nargs="+", default=["reduce_overhead", "eager"], choices=["reduce_overhead", "eager"])
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     rows = []

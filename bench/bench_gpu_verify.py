@@ -49,50 +49,51 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for bs in args.batch:
-        for k in args.ks:
-            llm = LLM([f"model={args.model}", "model.device=cuda", "compile=reduce_overhead", "speculative=ngram",
-                       f"speculative.num_steps={k}", f"scheduler.max_running_requests={bs}",
-                       f"scheduler.max_context={args.context + 64}", *args.extra])
-            eng = llm.engine
-            gen = torch.Generator().manual_seed(0)
-            vocab = min(eng.model.args.vocab_size, 49152)
-            reqs = [Request(rid=i, prompt_ids=torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
-                            params=SamplingParams(max_tokens=8, ignore_eos=True), seed=0, max_new_tokens=8)
-                    for i in range(bs)]
-            for r in reqs:
-                eng.submit(r)
-            eng.step()  # prefill
-            step = eng.scheduler.schedule()
-            decode = eng.scheduler.build_batch(step)
-            n = k + 1
-            L = [r.kv_len for r in reqs]
-            slots = eng.allocator.assign([r.row for r in reqs], L, [x + n for x in L])
-            dev = slots.device
-            tokens = torch.randint(0, vocab, (bs, n), generator=gen).to(dev)
-            tree = chain_tree(tokens, torch.ones_like(tokens, dtype=torch.bool))
-            kv = torch.tensor(L, device=dev)
-            verify_batch = ForwardBatch(
-                mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1),
-                positions=(kv[:, None] + tree.depths).reshape(-1), out_cache_loc=slots,
-                req_pool_indices=decode.req_pool_indices, seq_lens=kv + n, seq_lens_cpu=[x + n for x in L],
-                extend_lens_cpu=[n] * bs, logits_index=torch.arange(bs * n, device=dev),
-                custom_mask=ancestor_mask(tree.parents), sampling=decode.sampling)
-            with torch.inference_mode():
-                t_decode = cuda_ms(lambda: eng.runner.forward(decode), args.reps)
-                t_verify = cuda_ms(lambda: eng.runner.forward(verify_batch), args.reps)
+        # one engine per batch size: the verify graphs for each k compile during the warm-up replays
+        llm = LLM([f"model={args.model}", "model.device=cuda", "compile=reduce_overhead", "speculative=ngram",
+                   f"speculative.num_steps={max(args.ks)}", f"scheduler.max_running_requests={bs}",
+                   f"compile.batch_sizes=[{bs}]", f"scheduler.max_context={args.context + 64}", *args.extra])
+        eng = llm.engine
+        gen = torch.Generator().manual_seed(0)
+        vocab = min(eng.model.args.vocab_size, 49152)
+        reqs = [Request(rid=i, prompt_ids=torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
+                        params=SamplingParams(max_tokens=8, ignore_eos=True), seed=0, max_new_tokens=8)
+                for i in range(bs)]
+        for r in reqs:
+            eng.submit(r)
+        eng.step()  # prefill
+        step = eng.scheduler.schedule()
+        decode = eng.scheduler.build_batch(step)
+        L = [r.kv_len for r in reqs]
+        n_max = max(args.ks) + 1
+        slots = eng.allocator.assign([r.row for r in reqs], L, [x + n_max for x in L]).view(bs, n_max)
+        dev = slots.device
+        kv = torch.tensor(L, device=dev)
+        with torch.inference_mode():
+            t_decode = cuda_ms(lambda: eng.runner.forward(decode), args.reps)
+            for k in args.ks:
+                n = k + 1
+                tokens = torch.randint(0, vocab, (bs, n), generator=gen).to(dev)
+                tree = chain_tree(tokens, torch.ones_like(tokens, dtype=torch.bool))
+                batch = ForwardBatch(
+                    mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1),
+                    positions=(kv[:, None] + tree.depths).reshape(-1), out_cache_loc=slots[:, :n].reshape(-1),
+                    req_pool_indices=decode.req_pool_indices, seq_lens=kv + n, seq_lens_cpu=[x + n for x in L],
+                    extend_lens_cpu=[n] * bs, logits_index=torch.arange(bs * n, device=dev),
+                    custom_mask=ancestor_mask(tree.parents), sampling=decode.sampling)
+                t_verify = cuda_ms(lambda: eng.runner.forward(batch), args.reps)
 
                 def full_path():
-                    logits, _ = eng.runner.forward(verify_batch)
-                    res = verify(tree, logits, decode.sampling, k, 1)
-                    return res.accept_lens.tolist()
+                    logits, _ = eng.runner.forward(batch)
+                    return verify(tree, logits, decode.sampling, k, 1).accept_lens.tolist()
 
                 t_path = cuda_ms(full_path, args.reps)
-            rows.append((bs, k, t_decode, t_verify, t_path))
-            print(f"bs={bs} k={k}: decode {t_decode:.3f} ms, verify fwd {t_verify:.3f} ms, path {t_path:.3f} ms",
-                  flush=True)
-            for r in reqs:
-                eng.abort(r.rid)
-            del llm, eng
+                rows.append((bs, k, t_decode, t_verify, t_path))
+                print(f"bs={bs} k={k}: decode {t_decode:.3f} ms, verify fwd {t_verify:.3f} ms, "
+                      f"path {t_path:.3f} ms", flush=True)
+        for r in reqs:
+            eng.abort(r.rid)
+        del llm, eng
     print(f"\n{args.model}, bf16, context {args.context}, {torch.cuda.get_device_name()}, compiled")
     print(f"{'batch':>5} {'k':>3} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'verify path ms':>15} {'ratio':>6}")
     for bs, k, d, v, p in rows:

@@ -57,7 +57,7 @@ def _extend_attention_kernel(
         slot = tl.load(Req_to_token + req_row * stride_req + j)
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=d_ok[None, :],
                     other=0.0)
-        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e
+        s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # fp32 even if the scalar is fp64
         v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=d_ok[None, :],
                     other=0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
@@ -67,7 +67,7 @@ def _extend_attention_kernel(
         slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e
+        s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # fp32 even if the scalar is fp64
         s = tl.where(j_ok[None, :] & (j[None, :] <= (prefix + t)[:, None]), s, float("-inf"))
         v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)

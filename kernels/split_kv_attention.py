@@ -78,7 +78,8 @@ def _split_kv_partial_kernel(
         slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        s = dot(q, tl.trans(k), IEEE_DOT) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        # NOTE: .to(float32): inductor passes float scalars as fp64, which would make the loop state fp64
+        s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if HAS_MASK:
             rel = j[None, :] - region
             in_region = rel >= 0

