@@ -19,7 +19,7 @@ timeout 170 python3 bench/bench_gpu_decode.py --model llama3_8b_random --batch 1
   --modes reduce_overhead -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG \
   > "$OUT/bench_gpu_decode_8b.log"
 tail -5 "$OUT/bench_gpu_decode_8b.log"
-python3 -c "import torch; x=torch.empty(2**31, dtype=torch.uint8, device='cuda'); y=torch.empty_like(x); y.copy_(x); torch.cuda.synchronize(); import time; s=torch.cuda.Event(enable_timing=True); e=torch.cuda.Event(enable_timing=True); ts=[]
+python3 -c "import torch; x=torch.randint(0, 256, (2**31,), dtype=torch.uint8, device='cuda'); y=torch.empty_like(x); y.copy_(x); torch.cuda.synchronize(); import time; s=torch.cuda.Event(enable_timing=True); e=torch.cuda.Event(enable_timing=True); ts=[]
 for _ in range(10):
     s.record(); y.copy_(x); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e))
 ts.sort(); print('copy GB/s (read+write):', 2*2**31/ts[5]/1e6)" 2>&1 | tee "$OUT/copy_bw.log"
