@@ -249,7 +249,7 @@ def test_client_gone_before_a_non_streamed_answer_aborts(server):
     loop = server.loop
     aborts = len(loop.abort_log)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=httpx.Timeout(60, read=1.0),
+        httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=httpx.Timeout(60, read=0.3),
                    json={"messages": CHAT, "max_tokens": 900, "ignore_eos": True})
     wait_idle(server)
     assert len(loop.abort_log) == aborts + 1 and loop.abort_log[-1].rid.startswith("chatcmpl-")
@@ -322,3 +322,24 @@ def test_run_server_from_the_command_line():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- speculative decoding behind the server ----------------------------------------------------------------
+def test_ngram_speculation_behind_the_server(tiny_llm):
+    prompt = "one two three four five one two three four five one two three"
+    ref = tiny_llm.generate([{"prompt": prompt, "max_tokens": 24}])[0]
+    config = compose(TINY + ["run=server", "speculative=ngram", "scheduler.max_context=256"])
+    with ServerThread(config) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=24)
+        streamed = list(client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=24, stream=True))
+        text = httpx.get(srv.url + "/metrics").text
+        wait_idle(srv)
+        srv.loop.engine.allocator.assert_all_free()
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+    assert "".join(c.choices[0].text for c in streamed) == ref.text
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples["tfs_spec_verify_steps_total"] > 0
+    mean = samples["tfs_spec_mean_accept_length"]
+    assert mean == pytest.approx(samples["tfs_spec_accepted_tokens_total"] / samples["tfs_spec_verify_steps_total"])
+    assert mean >= 1.0  # every verify step emits at least its bonus token

@@ -37,11 +37,10 @@ class ServerMetrics:
         self.running = Gauge("tfs_running_requests", "Requests admitted and holding KV", registry=r)
         self.kv_usage = Gauge("tfs_kv_usage_ratio", "Fraction of KV cache slots in use", registry=r)
         self.spec_steps = Counter("tfs_spec_verify_steps", "Speculative verify steps of ended requests", registry=r)
-        self.spec_accepted = Counter("tfs_spec_accepted_tokens", "Accepted draft tokens of ended requests",
-                                     registry=r)
-        self.spec_accept_len = Gauge("tfs_spec_mean_accept_length",
-                                     "Accepted tokens per verify step over ended requests (0 without speculation)",
-                                     registry=r)
+        self.spec_accepted = Counter("tfs_spec_accepted_tokens", "Tokens emitted by verify steps of ended requests "
+                                     "(accepted drafts plus the bonus token)", registry=r)
+        self.spec_accept_len = Gauge("tfs_spec_mean_accept_length", "Tokens emitted per speculative verify step over "
+                                     "ended requests (0 without speculation)", registry=r)
         self.ttft = Histogram("tfs_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("tfs_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS,
