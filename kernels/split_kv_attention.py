@@ -151,7 +151,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = custom_mask is not None
-    mask = custom_mask.contiguous().view(torch.uint8) if has_mask else seq_lens  # seq_lens: an unused stand-in
+    # NOTE: a converting copy, not .view(torch.uint8): inductor (torch 2.11) cannot lower a bool->uint8 bitcast
+    mask = custom_mask.to(torch.uint8).contiguous() if has_mask else seq_lens  # seq_lens: an unused stand-in
     mask_width = custom_mask.shape[2] if has_mask else 0
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     programs_per_split = bs * m_blocks * kv_heads
