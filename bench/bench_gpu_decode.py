@@ -24,7 +24,9 @@ from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 
 
-def time_engine(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str]) -> dict:
+def decode_setup(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str]):
+    """An engine with ``bs`` requests of ``context`` random tokens prefilled and decoding, and one decode
+    ``(step, batch)`` scheduled from it (not yet run)."""
     llm = LLM([f"model={model}", "model.device=cuda", f"compile={mode}", f"scheduler.max_running_requests={bs}",
                f"scheduler.max_context={context + 4 * steps + 64}", *extra])
     engine = llm.engine
@@ -38,9 +40,13 @@ def time_engine(model: str, mode: str, bs: int, context: int, steps: int, extra:
         engine.step()
     for _ in range(5):
         engine.step()
-    # (a) the forward alone, replayed on one decode batch
     step = engine.scheduler.schedule()
-    batch = engine.scheduler.build_batch(step)
+    return engine, step, engine.scheduler.build_batch(step)
+
+
+def time_engine(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str]) -> dict:
+    engine, step, batch = decode_setup(model, mode, bs, context, steps, extra)
+    # (a) the forward alone, replayed on one decode batch
     with torch.inference_mode():
         for _ in range(5):
             engine.runner.forward(batch)

@@ -35,6 +35,37 @@ def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min
 
 
 @triton.jit
+def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, Mask, mask_row,
+                  t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
+                  BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Fold keys ``[lo, hi)`` into the running state. ``CHECK``: apply the causal rule or the custom mask (the few
+    tiles near the end of a request); otherwise every key in range is visible to every row (the bulk of them)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_cache + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kv_ok, other=0.0)
+        # NOTE: .to(float32): inductor passes float scalars as fp64, which would make the loop state fp64
+        s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N], base-2 units
+        if CHECK:
+            if HAS_MASK:
+                rel = j[None, :] - region
+                in_region = rel >= 0
+                tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
+                               mask=row_ok[:, None] & in_region & j_ok[None, :], other=0)
+                allowed = j_ok[None, :] & ((rel < 0) | (tree != 0))
+            else:
+                allowed = j_ok[None, :] & (j[None, :] <= last_key[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        else:
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+        v = tl.load(V_cache + slot[:, None] * stride_vs + kv_v + d[None, :], mask=kv_ok, other=0.0)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _split_kv_partial_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mid_o, Mid_lse,
     scale_log2e, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
@@ -65,32 +96,25 @@ def _split_kv_partial_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
-    req_row = tl.load(Req_pool_indices + b)
+    slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
+    mask_row = Mask + b * stride_mb
     last_key = seq_len - Q_LEN + t  # causal: row t sees keys <= last_key
     region = seq_len - mask_width  # custom mask: keys >= region are decided by the mask, earlier ones are visible
+    # keys below `shared` are visible to every row; only the tiles from there on need the causal rule or the mask
+    shared = region if HAS_MASK else seq_len - Q_LEN + 1
+    mid = tl.minimum(tl.maximum(shared, start), end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        j_ok = j < end
-        slot = tl.load(Req_to_token + req_row * stride_req + j, mask=j_ok, other=0)  # [BLOCK_N] int64
-        kv_ok = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_cache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-        # NOTE: .to(float32): inductor passes float scalars as fp64, which would make the loop state fp64
-        s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-        if HAS_MASK:
-            rel = j[None, :] - region
-            in_region = rel >= 0
-            tree = tl.load(Mask + b * stride_mb + t[:, None] * stride_mt + rel,
-                           mask=row_ok[:, None] & in_region & j_ok[None, :], other=0)
-            allowed = j_ok[None, :] & ((rel < 0) | (tree != 0))
-        else:
-            allowed = j_ok[None, :] & (j[None, :] <= last_key[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        v = tl.load(V_cache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, start, mid, K_cache, V_cache, slot_row,
+                                  kv_head * stride_kh, kv_head * stride_vh, Mask, mask_row, t, row_ok, region,
+                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
+                                  False, IEEE_DOT)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, mid, end, K_cache, V_cache, slot_row,
+                                  kv_head * stride_kh, kv_head * stride_vh, Mask, mask_row, t, row_ok, region,
+                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
+                                  True, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
@@ -127,6 +151,19 @@ def _split_kv_reduce_kernel(
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+# (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
+# draft); bench/tune_split_kv.py sweeps them on the device. The interpreter uses small tiles.
+TARGET_PROGRAMS_PER_SM = 4
+CUDA_LAUNCH = {"decode": (64, 4, 2), "multi": (64, 4, 2)}
+INTERPRET_LAUNCH = (32, 4, 1)
+
+
+def _launch_config(q: torch.Tensor, q_len: int) -> tuple[int, int, int]:
+    if not q.is_cuda:
+        return INTERPRET_LAUNCH
+    return CUDA_LAUNCH["decode" if q_len == 1 else "multi"]
+
+
 def _tile_rows(rows: int) -> tuple[int, int]:
     """(BLOCK_M, M_BLOCKS) for ``rows = q_len * group`` query rows per (request, kv head)."""
     if rows <= 64:
@@ -146,7 +183,10 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     bs = req_pool_indices.shape[0]
     block_m, m_blocks = _tile_rows(q_len * group)
     block_d = max(16, triton.next_power_of_2(dim))
-    block_n = 64 if q.is_cuda else 32
+    block_n, num_warps, num_stages = _launch_config(q, q_len)
+    programs_per_split = bs * m_blocks * kv_heads
+    # the kernel never uses more splits than fill the device; size the partial buffers by that bound (bs is static)
+    max_splits = max(1, min(max_splits, triton.cdiv(target_programs, programs_per_split)))
     mid_o = torch.empty((n, heads, max_splits, dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -155,7 +195,6 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mask = custom_mask.to(torch.uint8).contiguous() if has_mask else seq_lens  # seq_lens: an unused stand-in
     mask_width = custom_mask.shape[2] if has_mask else 0
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
-    programs_per_split = bs * m_blocks * kv_heads
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
@@ -163,7 +202,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, num_warps=4, num_stages=2,
+        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
@@ -211,15 +251,15 @@ def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
     """(max_splits, target_programs, min_split_len) for ``q_len`` query tokens per request on ``device``.
 
-    ``max_splits`` sizes the fp32 partial buffer (``num_tokens * heads * max_splits * head_dim``): 64 for decode,
-    fewer for longer queries so that it stays small at large batch sizes. The kernel then picks, per request, enough
-    splits for about four programs per SM, each covering at least ``min_split_len`` keys. On the CPU (Triton
-    interpreter) there are few, short splits: enough to exercise the merge, cheap enough to interpret.
+    The kernel picks, per request, enough splits for about ``target_programs`` programs on the device (four per
+    SM), each covering at least ``min_split_len`` keys, and at most ``max_splits``. The fp32 partial buffer
+    (``num_tokens * heads * splits * head_dim``) is sized by the occupancy bound at launch, so it stays small at
+    large batch sizes whatever ``q_len`` is: a verify over 8 tokens splits one long request as far as a decode does.
+    On the CPU (Triton interpreter) there are few, short splits: enough to exercise the merge, cheap to interpret.
     """
-    max_splits = max(4, min(64, 128 // max(1, q_len)))
     if device.type == "cuda":
-        return max_splits, 4 * torch.cuda.get_device_properties(device).multi_processor_count, 128
-    return min(max_splits, 4), 16, 32
+        return 64, TARGET_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count, 128
+    return 4, 16, 32
 
 
 __all__ = ["launch_split_kv_attention", "split_kv_attention_reference", "split_policy"]

@@ -1,0 +1,88 @@
+"""Where a compiled decode step's GPU time goes: torch.profiler over replays of one decode forward, kernels
+grouped into GEMMs, attention, KV store and the rest (norms, RoPE, activations: inductor's fused Triton kernels).
+
+    python bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 -- attention=triton
+
+Prints the top kernels by total GPU time, the per-forward sum of kernel time by group, the number of kernels per
+forward, and the forward's wall time (CUDA events), so that the gap between kernels shows as wall - kernel sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_gpu_decode import decode_setup  # noqa: E402
+
+GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK"), ("attention", r"split_kv"),
+          ("kv store", r"store_kv"), ("copy/memset", r"memcpy|memset|Memcpy|Memset")]
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name):
+            return group
+    return "other (fused elementwise, norms, rope, ...)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3_8b_random")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
+    ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
+    args = ap.parse_args()
+    engine, _, batch = decode_setup(args.model, args.mode, args.batch, args.context, 8, args.extra)
+    with torch.inference_mode():
+        for _ in range(5):
+            engine.runner.forward(batch)
+        wall = []
+        for _ in range(args.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.runner.forward(batch)
+            end.record()
+            torch.cuda.synchronize()
+            wall.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.reps):
+                engine.runner.forward(batch)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_name[e.name].append(e.time_range.elapsed_us())
+    if not kernels:  # this torch's profiler did not expose device events one by one: fall back to its own table
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
+        return
+    total_us = sum(sum(v) for v in per_name.values()) / args.reps
+    by_group: dict[str, float] = defaultdict(float)
+    for name, times in per_name.items():
+        by_group[group_of(name)] += sum(times) / args.reps
+    print(f"\n{args.model}, batch {args.batch}, context {args.context}, {args.mode}, {torch.cuda.get_device_name()}")
+    print(f"forward wall (CUDA events, median of {args.reps}): {statistics.median(wall) * 1000:.0f} us; "
+          f"kernel time per forward: {total_us:.0f} us in {len(kernels) / args.reps:.0f} kernels")
+    print("group | us per forward | share")
+    for group, us in sorted(by_group.items(), key=lambda kv: -kv[1]):
+        print(f"{group} | {us:.0f} | {us / total_us:.2f}")
+    print("\ntop kernels | calls per forward | us per forward | mean us")
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        print(f"{name[:90]} | {len(times) / args.reps:.0f} | {sum(times) / args.reps:.0f} | "
+              f"{statistics.mean(times):.1f}")
+
+
+if __name__ == "__main__":
+    main()
