@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     ap.add_argument("--targets", nargs="+", type=int, default=[2, 4, 8], help="programs per SM (best launch only)")
+    ap.add_argument("--min-split-lens", nargs="+", type=int, default=[128], help="(best launch only)")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in c.split("x")) for c in args.configs]
@@ -39,7 +40,7 @@ def main() -> None:
     dev = torch.device("cuda")
     results: dict[str, dict] = {"decode": {}, "multi": {}}
 
-    def run_shape(bs: int, context: int, modes_launch: dict, target: int) -> dict:
+    def run_shape(bs: int, context: int, modes_launch: dict, target: int, min_split: int = 128) -> dict:
         gen = torch.Generator().manual_seed(bs * 7 + context)
         slots = (bs * -(-context // args.page_size) + 1) * args.page_size
         k_pool, v_pool, table, k, v = ba.paged_cache(bs, context, args.page_size, slots, gen)
@@ -53,7 +54,8 @@ def main() -> None:
         ref_d = ba.sdpa_flash(q, k, v)
         ref_v = ba.verify_reference(q8, k, v, mask)
         repeat = 20 if bs * context < 1 << 20 else 2
-        skv.TARGET_PROGRAMS_PER_SM = target
+        skv.TARGET_PROGRAMS_PER_SM = {"decode": target, "multi": target}
+        skv.MIN_SPLIT_LEN = min_split
         pol = skv.split_policy(dev, 1)
         out = {}
         for mode, launch in modes_launch.items():
@@ -71,14 +73,14 @@ def main() -> None:
         torch.cuda.empty_cache()
         return out
 
-    for bs, context in shapes:
+    for bs, context in shapes if len(launches) > 1 else []:
         r = run_shape(bs, context, {"decode": launches, "multi": launches}, 4)
         for (mode, cfg), us in r.items():
             results[mode].setdefault(cfg, {})[(bs, context)] = us
         print(f"{bs}x{context}: " + ", ".join(f"{m[0]}{c}={us:.1f}" for (m, c), us in sorted(r.items())), flush=True)
 
-    best = {}
-    for mode, table in results.items():
+    best = {"decode": launches[0], "multi": launches[0]}
+    for mode, table in results.items() if len(launches) > 1 else []:
         per_shape_best = {s: min(t[s] for t in table.values()) for s in shapes}
         ranked = sorted(table.items(), key=lambda kv: max(kv[1][s] / per_shape_best[s] for s in shapes))
         best[mode] = ranked[0][0]
@@ -89,16 +91,17 @@ def main() -> None:
 
     print("\nprograms per SM, best launches", best)
     rows = {}
-    for target in args.targets:
+    for target, min_split in itertools.product(args.targets, args.min_split_lens):
         for bs, context in shapes:
-            r = run_shape(bs, context, {m: [c] for m, c in best.items()}, target)
-            rows[(target, bs, context)] = (r[("decode", best["decode"])], r[("multi", best["multi"])])
+            r = run_shape(bs, context, {m: [c] for m, c in best.items()}, target, min_split)
+            rows[(target, min_split, bs, context)] = (r[("decode", best["decode"])], r[("multi", best["multi"])])
     copy_gbs = ba.copy_bandwidth()
     print(f"device copy {copy_gbs:.0f} GB/s (read + write)")
-    print("target/SM | batch x context | decode us | GB/s | /copy | verify8 us | verify/decode")
-    for (target, bs, context), (d, v) in rows.items():
+    print("target/SM | min split | batch x context | decode us | GB/s | /copy | verify8 us | verify/decode")
+    for (target, min_split, bs, context), (d, v) in rows.items():
         gbs = bs * context * ba.KV_HEADS * ba.DIM * 4 / d / 1e3
-        print(f"{target} | {bs}x{context} | {d:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} | {v:.1f} | {v / d:.2f}")
+        print(f"{target} | {min_split} | {bs}x{context} | {d:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} | {v:.1f} | "
+              f"{v / d:.2f}")
 
 
 if __name__ == "__main__":

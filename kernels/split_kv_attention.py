@@ -100,9 +100,10 @@ def _split_kv_partial_kernel(
     mask_row = Mask + b * stride_mb
     last_key = seq_len - Q_LEN + t  # causal: row t sees keys <= last_key
     region = seq_len - mask_width  # custom mask: keys >= region are decided by the mask, earlier ones are visible
-    # keys below `shared` are visible to every row; only the tiles from there on need the causal rule or the mask
-    shared = region if HAS_MASK else seq_len - Q_LEN + 1
-    mid = tl.minimum(tl.maximum(shared, start), end)
+    # keys below `shared` are visible to every row: whole tiles of them go through the unchecked loop, and the
+    # checked loop takes the rest (the last partial tile plus the masked or causal keys: usually one tile)
+    shared = tl.minimum(tl.maximum(region if HAS_MASK else seq_len - Q_LEN + 1, start), end)
+    mid = start + (shared - start) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -153,8 +154,11 @@ def _split_kv_reduce_kernel(
 
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft); bench/tune_split_kv.py sweeps them on the device. The interpreter uses small tiles.
-TARGET_PROGRAMS_PER_SM = 4
-CUDA_LAUNCH = {"decode": (64, 4, 2), "multi": (64, 4, 2)}
+# Chosen with bench/tune_split_kv.py on an H200 (docs/PERFORMANCE.md): programs per SM that the split count aims at
+# and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
+TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
+MIN_SPLIT_LEN = 128
+CUDA_LAUNCH = {"decode": (128, 4, 2), "multi": (128, 4, 2)}
 INTERPRET_LAUNCH = (32, 4, 1)
 
 
@@ -251,14 +255,15 @@ def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
     """(max_splits, target_programs, min_split_len) for ``q_len`` query tokens per request on ``device``.
 
-    The kernel picks, per request, enough splits for about ``target_programs`` programs on the device (four per
+    The kernel picks, per request, enough splits for about ``target_programs`` programs on the device (a few per
     SM), each covering at least ``min_split_len`` keys, and at most ``max_splits``. The fp32 partial buffer
     (``num_tokens * heads * splits * head_dim``) is sized by the occupancy bound at launch, so it stays small at
     large batch sizes whatever ``q_len`` is: a verify over 8 tokens splits one long request as far as a decode does.
     On the CPU (Triton interpreter) there are few, short splits: enough to exercise the merge, cheap to interpret.
     """
     if device.type == "cuda":
-        return 64, TARGET_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count, 128
+        per_sm = TARGET_PROGRAMS_PER_SM["decode" if q_len == 1 else "multi"]
+        return 64, per_sm * torch.cuda.get_device_properties(device).multi_processor_count, MIN_SPLIT_LEN
     return 4, 16, 32
 
 
