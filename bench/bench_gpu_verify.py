@@ -1,6 +1,6 @@
 """Verify-step cost on a CUDA GPU: one TARGET_VERIFY forward over a chain of k draft tokens (k + 1 tokens per
-request with the root) against one DECODE forward, compiled (CUDA graphs), plus the whole verify path (forward,
-on-device verification, the host read of accept lengths).
+request with the root) against one DECODE forward of a plain engine, both compiled (CUDA graphs), plus the whole
+verify path (forward, on-device verification, the host read of accept lengths).
 
     python bench/bench_gpu_verify.py --model smollm2_135m_random --batch 1 8 --context 512 [overrides...]
 """
@@ -16,6 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_gpu_decode import decode_setup  # noqa: E402
 from framework import LLM  # noqa: E402
 from framework.batch import ForwardBatch, ForwardMode  # noqa: E402
 from framework.request import Request  # noqa: E402
@@ -49,6 +52,14 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for bs in args.batch:
+        # the decode step of a plain engine (a speculative engine captures verify graphs, not plain decode ones)
+        plain, _, plain_batch = decode_setup(args.model, "reduce_overhead", bs, args.context, 8,
+                                             [f"compile.batch_sizes=[{bs}]", *args.extra])
+        with torch.inference_mode():
+            t_decode = cuda_ms(lambda: plain.runner.forward(plain_batch), args.reps)
+        for r in list(plain.scheduler.running):
+            plain.abort(r.rid)
+        del plain, plain_batch
         # one engine per batch size: the verify graphs for each k compile during the warm-up replays
         llm = LLM([f"model={args.model}", "model.device=cuda", "compile=reduce_overhead", "speculative=ngram",
                    f"speculative.num_steps={max(args.ks)}", f"scheduler.max_running_requests={bs}",
@@ -70,7 +81,6 @@ def main() -> None:
         dev = slots.device
         kv = torch.tensor(L, device=dev)
         with torch.inference_mode():
-            t_decode = cuda_ms(lambda: eng.runner.forward(decode), args.reps)
             for k in args.ks:
                 n = k + 1
                 tokens = torch.randint(0, vocab, (bs, n), generator=gen).to(dev)
