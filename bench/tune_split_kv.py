@@ -62,7 +62,8 @@ def main() -> None:
             for cfg in launch:
                 skv.CUDA_LAUNCH[mode] = cfg
                 if mode == "decode":
-                    fn = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq, ba.SCALE, *pol)  # noqa
+                    fn = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq,  # noqa: E731
+                                                                ba.SCALE, *pol)
                     ba.check(f"decode {cfg}", fn(), ref_d)
                 else:
                     fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask,  # noqa

@@ -6,7 +6,9 @@ Stage 1 splits each request's keys across up to ``max_splits`` programs, so that
 GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials. The number of splits is
 decided on the device from the request's length and the batch size (never read back by the host), so one captured
 graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
-request are processed together as the rows of one tile: K/V are read once per KV head.
+request are processed together as the rows of one tile: K/V are read once per KV head. Within a split, whole tiles
+of keys that every row sees go through a loop without masking; only the tail (the last partial tile, and the keys
+under the causal rule or the custom mask) pays for the checks.
 
 Used by ``tfs::decode_attention`` and ``tfs::verify_attention``; the plain-torch reference is
 :func:`split_kv_attention_reference`.

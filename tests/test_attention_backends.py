@@ -1,5 +1,6 @@
 """attention=flex and attention=triton: the cases of tests/test_attention_sdpa.py against its float64 reference,
-and greedy output identical to attention=sdpa end to end on tiny_llama.
+and greedy output identical to attention=sdpa end to end on tiny_llama, with and without speculation (a chain and
+a tree). SmolLM2-135M across backends: tests/test_smollm2_speculative.py.
 
 triton on the CPU needs the Triton interpreter from process start (see tests/test_kernels_attention.py): under a
 plain ``pytest`` its tests run in one ``TRITON_INTERPRET=1`` subprocess. GPU tests: ``pytest -m gpu``.
@@ -78,6 +79,31 @@ def test_flex_compiled_greedy_equals_sdpa(compiled_flex, sdpa_outputs):
 def test_triton_greedy_equals_sdpa(sdpa_outputs):
     llm = LLM(TINY + ["attention=triton", "scheduler.max_running_requests=4"])
     assert [o.token_ids for o in llm.generate(REQUESTS)] == sdpa_outputs
+
+
+# speculative decoding through each backend: TARGET_VERIFY with a chain / tree mask, and the draft modes
+SPEC = {"ngram-chain": ["speculative=ngram", "speculative.num_steps=4"],
+        "layer_skip-tree": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.topk=4",
+                            "speculative.num_draft_tokens=8", "speculative.exit_layer=1"]}
+
+
+def spec_outputs(name: str, spec: str) -> list[list[int]]:
+    llm = LLM(TINY + [f"attention={name}", "scheduler.max_running_requests=4", "kv.page_size=16", *SPEC[spec]])
+    out = [o.token_ids for o in llm.generate(REQUESTS)]
+    assert llm.engine.spec_worker.stats.num_verify_steps > 0
+    llm.engine.allocator.assert_all_free()
+    return out
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_flex_speculative_greedy_equals_sdpa(spec, sdpa_outputs):
+    assert spec_outputs("flex", spec) == sdpa_outputs
+
+
+@interpreted
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_triton_speculative_greedy_equals_sdpa(spec, sdpa_outputs):
+    assert spec_outputs("triton", spec) == sdpa_outputs
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")

@@ -1,11 +1,18 @@
 """Speculative decoding on the real SmolLM2-135M: greedy output identical to plain decoding for ngram and
-layer_skip (chain and tree), and the target drafting for itself (draft_model) accepts every draft token."""
+layer_skip (chain and tree), and the target drafting for itself (draft_model) accepts every draft token. Across
+attention backends: flex and triton (interpreted on the CPU, in a ``TRITON_INTERPRET=1`` subprocess) give sdpa's
+greedy output, with and without speculation."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 
 from framework import LLM
+from kernels.dispatch import interpreter_active
+from tests.test_kernels_attention import run_interpreted
 from tests.test_smollm2_golden import CHATS
 
 pytestmark = pytest.mark.slow
@@ -41,3 +48,37 @@ def test_target_as_its_own_draft_accepts_everything(plain):
     assert [o.token_ids for o in llm.generate(items())] == plain
     # verification does not see EOS or max_tokens: every draft position is accepted in every verify step
     assert llm.engine.spec_worker.stats.summary()["accept_rate_per_position"] == [1.0] * 4
+
+
+# ---- across attention backends (shorter runs: the Triton interpreter is slow) ------------------------------------
+BACKEND_SPECS = {"plain": [], "ngram-tree": ["speculative=ngram", "speculative.num_steps=4", "speculative.topk=4",
+                                             "speculative.num_draft_tokens=8"]}
+interpreted = pytest.mark.skipif(not interpreter_active(), reason="run by the TRITON_INTERPRET=1 subprocess")
+
+
+def short_items(n: int) -> list[dict]:
+    return [dict(item, max_tokens=16) for item in items()[:n]]
+
+
+@functools.cache
+def backend_outputs(attention: str, spec: str, n: int) -> list[list[int]]:
+    llm = LLM(BASE + [f"attention={attention}", "kv.page_size=16", *BACKEND_SPECS[spec]])
+    out = [o.token_ids for o in llm.generate(short_items(n))]
+    llm.engine.allocator.assert_all_free()
+    return out
+
+
+@pytest.mark.parametrize("spec", list(BACKEND_SPECS))
+def test_flex_equals_sdpa(spec):
+    assert backend_outputs("flex", spec, 4) == backend_outputs("sdpa", "plain", 4)
+
+
+@interpreted
+@pytest.mark.parametrize("spec", list(BACKEND_SPECS))
+def test_triton_interpreted_equals_sdpa(spec):
+    assert backend_outputs("triton", spec, 2) == backend_outputs("sdpa", "plain", 2)
+
+
+@pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(), reason="interpreted tests run in this process")
+def test_triton_interpreted_in_a_subprocess():
+    run_interpreted(__file__, "-k", "triton_interpreted_equals", timeout=1200)
