@@ -44,20 +44,27 @@ def decode_setup(model: str, mode: str, bs: int, context: int, steps: int, extra
     return engine, step, engine.scheduler.build_batch(step)
 
 
+@torch.inference_mode()
+def forward_times_ms(engine, batch, reps: int) -> list[float]:
+    """CUDA-event times of ``reps`` forwards of ``batch`` (graph replays when compiled), after 5 warm-up ones."""
+    for _ in range(5):
+        engine.runner.forward(batch)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.runner.forward(batch)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def time_engine(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str]) -> dict:
     engine, step, batch = decode_setup(model, mode, bs, context, steps, extra)
     # (a) the forward alone, replayed on one decode batch
+    forward_ms = forward_times_ms(engine, batch, steps)
     with torch.inference_mode():
-        for _ in range(5):
-            engine.runner.forward(batch)
-        forward_ms = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            engine.runner.forward(batch)
-            end.record()
-            torch.cuda.synchronize()
-            forward_ms.append(start.elapsed_time(end))
         logits, _ = engine.runner.forward(batch)
     engine.scheduler.process(step, logits.argmax(-1).tolist())
     # (b) whole engine steps

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_gpu_decode import decode_setup  # noqa: E402
+from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
 
 GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK"), ("attention", r"split_kv"),
           ("kv store", r"store_kv"), ("copy/memset", r"memcpy|memset|Memcpy|Memset")]
@@ -45,18 +45,8 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     engine, _, batch = decode_setup(args.model, args.mode, args.batch, args.context, 8, args.extra)
+    wall = forward_times_ms(engine, batch, args.reps)
     with torch.inference_mode():
-        for _ in range(5):
-            engine.runner.forward(batch)
-        wall = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            engine.runner.forward(batch)
-            end.record()
-            torch.cuda.synchronize()
-            wall.append(start.elapsed_time(end))
-        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
                 engine.runner.forward(batch)
