@@ -17,6 +17,17 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 PARAMS = ("num_steps", "topk", "num_draft_tokens")
+DRAFTER_PARAMS = {"ngram": ("ngram_min", "ngram_max"), "layer_skip": ("exit_layer", "skip_layers", "draft_layers"),
+                  "draft_model": ("draft_model",), "eagle": ("checkpoint",)}
+
+
+def param_text(spec: dict[str, Any]) -> str:
+    """``num_steps=.. topk=.. num_draft_tokens=..`` plus the drafter's own settings; ``-`` without speculation."""
+    name = spec.get("name", "none")
+    if name == "none":
+        return "-"
+    keys = PARAMS + tuple(k for k in DRAFTER_PARAMS.get(name, ()) if spec.get(k) not in (None, [], 0))
+    return " ".join(f"{k}={spec.get(k)}" for k in keys)
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -30,7 +41,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
         spec = {**cfg.get("speculative", {}), **metrics.get("spec_params", {})}  # resolved values win
         rows.append({"job": job.name, "drafter": spec.get("name", "none"),
-                     "params": " ".join(f"{k}={spec.get(k)}" for k in PARAMS) if spec.get("name") != "none" else "-",
+                     "params": param_text(spec),
                      "overrides": " ".join(overrides), "mean_accept_len": metrics.get("mean_accept_len", 1.0),
                      "tokens_per_s": metrics.get("tokens_per_s", 0.0)})
     return rows
