@@ -56,29 +56,30 @@ BACKEND_SPECS = {"plain": [], "ngram-tree": ["speculative=ngram", "speculative.n
 interpreted = pytest.mark.skipif(not interpreter_active(), reason="run by the TRITON_INTERPRET=1 subprocess")
 
 
-def short_items(n: int) -> list[dict]:
-    return [dict(item, max_tokens=16) for item in items()[:n]]
+def short_items(n: int, max_tokens: int) -> list[dict]:
+    return [dict(item, max_tokens=max_tokens) for item in items()[:n]]
 
 
 @functools.cache
-def backend_outputs(attention: str, spec: str, n: int) -> list[list[int]]:
+def backend_outputs(attention: str, spec: str, n: int, max_tokens: int) -> list[list[int]]:
     llm = LLM(BASE + [f"attention={attention}", "kv.page_size=16", *BACKEND_SPECS[spec]])
-    out = [o.token_ids for o in llm.generate(short_items(n))]
+    out = [o.token_ids for o in llm.generate(short_items(n, max_tokens))]
     llm.engine.allocator.assert_all_free()
     return out
 
 
 @pytest.mark.parametrize("spec", list(BACKEND_SPECS))
 def test_flex_equals_sdpa(spec):
-    assert backend_outputs("flex", spec, 4) == backend_outputs("sdpa", "plain", 4)
+    assert backend_outputs("flex", spec, 2, 16) == backend_outputs("sdpa", "plain", 2, 16)
 
 
 @interpreted
-@pytest.mark.parametrize("spec", list(BACKEND_SPECS))
-def test_triton_interpreted_equals_sdpa(spec):
-    assert backend_outputs("triton", spec, 2) == backend_outputs("sdpa", "plain", 2)
+def test_triton_interpreted_equals_sdpa():
+    """One short request (the interpreter is slow on 30 layers): prefill, verify of n-gram trees, and plain decode
+    steps where nothing matched."""
+    assert backend_outputs("triton", "ngram-tree", 1, 10) == backend_outputs("sdpa", "plain", 1, 10)
 
 
 @pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(), reason="interpreted tests run in this process")
 def test_triton_interpreted_in_a_subprocess():
-    run_interpreted(__file__, "-k", "triton_interpreted_equals", timeout=1200)
+    run_interpreted(__file__, "-k", "triton_interpreted_equals", timeout=900)
