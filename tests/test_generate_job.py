@@ -52,7 +52,8 @@ def test_speculative_sweep_writes_table_and_plot(tmp_path):
                    f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.returncode == 0, proc.stderr
     summary = (tmp_path / "sweep" / "sweep_summary.md").read_text()
-    assert "| 1 | ngram | num_steps=3 topk=1 num_draft_tokens=4 |" in summary and "| 0 | none |" in summary
+    assert "| 1 | ngram | num_steps=3 topk=1 num_draft_tokens=4 ngram_min=1 ngram_max=6 |" in summary
+    assert "| 0 | none | - |" in summary
     assert (tmp_path / "sweep" / "sweep_plot.png").read_bytes()[:4] == b"\x89PNG"
     row = json.loads(dst.read_text())  # the last job (ngram) wrote the output file
     assert set(row["spec"]) == {"num_verify_steps", "mean_accept_len"} and row["spec"]["num_verify_steps"] >= 1
