@@ -21,13 +21,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from framework.attention import ATTENTION_BACKENDS
 from framework.attention.base import AttentionBackend
-from framework.attention.sdpa import kv_width_bucket
+from framework.attention.sdpa import padded_layout
 from framework.batch import ForwardBatch
 
 Q_BLOCK = 128  # query rows per block-mask tile
@@ -130,28 +129,11 @@ class FlexBackend(AttentionBackend):
     name = "flex"
 
     def init_metadata(self, batch: ForwardBatch) -> FlexMetadata:
-        device = batch.input_ids.device
-        width = kv_width_bucket(max(batch.seq_lens_cpu), self.allocator.max_context)
-        kv_slots = self.allocator.req_to_token[batch.req_pool_indices, :width]  # [bs, width]
-        token_index = flat_index = None
-        if batch.mode.uniform:
-            q_len = batch.q_len
-            q_lens = torch.full_like(batch.seq_lens, q_len)
-        else:
-            lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
-            q_len = int(lens.max())
-            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            t = np.arange(q_len)
-            token_np = np.where(t[None, :] < lens[:, None], starts[:, None] + t[None, :], 0)  # [bs, q_len]
-            flat_np = np.concatenate([b * q_len + np.arange(n) for b, n in enumerate(lens)])
-            packed = torch.from_numpy(np.concatenate([token_np.reshape(-1), flat_np, lens])).to(device)
-            token_index = packed[: token_np.size].view(len(lens), q_len)
-            flat_index = packed[token_np.size: token_np.size + flat_np.size]
-            q_lens = packed[token_np.size + flat_np.size:]
+        lay = padded_layout(batch, self.allocator.max_context, self.allocator.req_to_token)
         mask = batch.custom_mask
-        tiles = block_tiles(batch.seq_lens, q_lens, q_len, width, None if mask is None else mask.shape[2])
-        return FlexMetadata(batch.out_cache_loc, kv_slots, batch.seq_lens, q_lens, q_len, *tiles, mask,
-                            token_index, flat_index)
+        tiles = block_tiles(batch.seq_lens, lay.q_lens, lay.q_len, lay.width, None if mask is None else mask.shape[2])
+        return FlexMetadata(batch.out_cache_loc, lay.kv_slots, batch.seq_lens, lay.q_lens, lay.q_len, *tiles, mask,
+                            lay.token_index, lay.flat_index)
 
     def dynamic_dims(self, meta: FlexMetadata) -> list[tuple[torch.Tensor, int]]:
         dims = [(meta.out_cache_loc, 0), (meta.kv_slots, 0), (meta.kv_slots, 1), (meta.seq_lens, 0),

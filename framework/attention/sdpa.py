@@ -39,6 +39,36 @@ def kv_width_bucket(max_len: int, limit: int) -> int:
     return min(width, limit)
 
 
+@dataclass
+class PaddedLayout:
+    """A batch laid out as ``[bs, q_len]`` new tokens against ``[bs, width]`` key positions (sdpa and flex)."""
+    kv_slots: torch.Tensor  # [bs, width] slot of every key position (req_to_token rows)
+    width: int
+    q_len: int  # uniform modes: tokens per request; EXTEND: the longest request's new tokens
+    q_lens: torch.Tensor  # [bs] new tokens of each request
+    token_index: Optional[torch.Tensor] = None  # EXTEND: [bs, q_len] flat token of each (b, t)
+    flat_index: Optional[torch.Tensor] = None  # EXTEND: [num_tokens] position of each token in [bs * q_len]
+
+
+def padded_layout(batch: ForwardBatch, max_context: int, req_to_token: torch.Tensor) -> PaddedLayout:
+    """Key width bucket and slots of the batch; for ragged EXTEND batches also the scatter / gather indices
+    between the flat tokens and the padded ``[bs, q_len]`` grid (built on the host, one copy to the device)."""
+    width = kv_width_bucket(max(batch.seq_lens_cpu), max_context)
+    kv_slots = req_to_token[batch.req_pool_indices, :width]  # [bs, width]
+    if batch.mode.uniform:
+        return PaddedLayout(kv_slots, width, batch.q_len, torch.full_like(batch.seq_lens, batch.q_len))
+    lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
+    q_len = int(lens.max())
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    t = np.arange(q_len)
+    token_np = np.where(t[None, :] < lens[:, None], starts[:, None] + t[None, :], 0)  # [bs, q_len]
+    flat_np = np.concatenate([b * q_len + np.arange(n) for b, n in enumerate(lens)])
+    packed = torch.from_numpy(np.concatenate([token_np.reshape(-1), flat_np, lens])).to(batch.input_ids.device)
+    return PaddedLayout(kv_slots, width, q_len, packed[token_np.size + flat_np.size:],
+                        packed[: token_np.size].view(len(lens), q_len),
+                        packed[token_np.size: token_np.size + flat_np.size])
+
+
 def build_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor, q_len: int, kv_width: int,
                custom_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """``[bs, 1, q_len, kv_width]`` bool: which keys each query token of each request may attend.
@@ -72,26 +102,9 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
     def init_metadata(self, batch: ForwardBatch) -> SdpaMetadata:
-        device = batch.input_ids.device
-        width = kv_width_bucket(max(batch.seq_lens_cpu), self.allocator.max_context)
-        kv_slots = self.allocator.req_to_token[batch.req_pool_indices, :width]  # [bs, width]
-        if batch.mode.uniform:
-            q_len = batch.q_len
-            q_lens = torch.full_like(batch.seq_lens, q_len)
-            token_index = flat_index = None
-        else:
-            lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
-            q_len = int(lens.max())
-            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            t = np.arange(q_len)
-            token_np = np.where(t[None, :] < lens[:, None], starts[:, None] + t[None, :], 0)  # [bs, q_len]
-            flat_np = np.concatenate([b * q_len + np.arange(n) for b, n in enumerate(lens)])
-            packed = torch.from_numpy(np.concatenate([token_np.reshape(-1), flat_np, lens])).to(device)
-            token_index = packed[: token_np.size].view(len(lens), q_len)
-            flat_index = packed[token_np.size: token_np.size + flat_np.size]
-            q_lens = packed[token_np.size + flat_np.size:]
-        mask = build_mask(batch.seq_lens, q_lens, q_len, width, batch.custom_mask)
-        return SdpaMetadata(batch.out_cache_loc, kv_slots, mask, token_index, flat_index)
+        lay = padded_layout(batch, self.allocator.max_context, self.allocator.req_to_token)
+        mask = build_mask(batch.seq_lens, lay.q_lens, lay.q_len, lay.width, batch.custom_mask)
+        return SdpaMetadata(batch.out_cache_loc, lay.kv_slots, mask, lay.token_index, lay.flat_index)
 
     def dynamic_dims(self, meta: SdpaMetadata) -> list[tuple[torch.Tensor, int]]:
         return [(meta.out_cache_loc, 0), (meta.kv_slots, 0), (meta.kv_slots, 1), (meta.mask, 0), (meta.mask, 3)]

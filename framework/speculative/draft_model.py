@@ -13,12 +13,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from framework.attention import ATTENTION_BACKENDS
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError, SpeculativeConfig
 from framework.config.load import model_option
-from framework.kv import KVPool
-from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
@@ -41,17 +38,7 @@ class DraftModelDrafter(ModelDrafter):
             raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
                               f"{self.model.args.vocab_size} != the target's {engine.model.args.vocab_size}")
         a = self.model.args
-        self.pool = KVPool(a.num_layers, engine.allocator.num_slots, a.num_kv_heads, a.head_dim, engine.dtype,
-                           engine.device)
-        backend = ATTENTION_BACKENDS.build(engine.config.attention.name, self.pool, engine.allocator, a.num_heads,
-                                           a.num_kv_heads, a.head_dim)
-        self.runner = ModelRunner(self.model, backend, engine.runner.compiled, engine.runner.batch_sizes,
-                                  engine.device)
-
-    def warmup(self) -> None:
-        self.runner.warmup(ForwardMode.DRAFT_DECODE, 1)
-        if self.cfg.topk > 1:
-            self.runner.warmup(ForwardMode.DRAFT_DECODE, self.cfg.topk)
+        self.own_runner(self.model, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
 
     def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
         self.runner.forward(batch)  # the same prompt chunk into the draft pool, at the same slots

@@ -17,11 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from framework.attention import ATTENTION_BACKENDS
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import SpeculativeConfig
-from framework.kv import KVPool
-from framework.model_runner import ModelRunner
 from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
@@ -91,16 +88,7 @@ class EagleDrafter(ModelDrafter):
         super().__init__(engine, cfg)
         self.head = build_head(engine.model, cfg.checkpoint, cfg.seed)
         a = engine.model.args
-        self.pool = KVPool(1, engine.allocator.num_slots, a.num_kv_heads, a.head_dim, engine.dtype, engine.device)
-        backend = ATTENTION_BACKENDS.build(engine.config.attention.name, self.pool, engine.allocator, a.num_heads,
-                                           a.num_kv_heads, a.head_dim)
-        self.runner = ModelRunner(self.head, backend, engine.runner.compiled, engine.runner.batch_sizes,
-                                  engine.device)
-
-    def warmup(self) -> None:
-        self.runner.warmup(ForwardMode.DRAFT_DECODE, 1)
-        if self.cfg.topk > 1:
-            self.runner.warmup(ForwardMode.DRAFT_DECODE, self.cfg.topk)
+        self.own_runner(self.head, 1, a.num_heads, a.num_kv_heads, a.head_dim)
 
     def _extend(self, reqs, rows: list[int], starts: list[int], ids: list[list[int]],
                 hidden_in: torch.Tensor) -> None:

@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from framework.batch import ForwardMode
 from framework.config import ConfigError, SpeculativeConfig
 from framework.speculative import DRAFTERS
 from framework.speculative.base import SpecContext
@@ -41,13 +40,8 @@ class LayerSkipDrafter(ModelDrafter):
         super().__init__(engine, cfg)
         self.layer_ids = draft_layers(engine.model.args.num_layers, cfg.exit_layer, cfg.skip_layers)
 
-    def warmup(self) -> None:
-        self.engine.runner.warmup(ForwardMode.DRAFT_DECODE, 1, self.layer_ids)
-        if self.cfg.topk > 1:
-            self.engine.runner.warmup(ForwardMode.DRAFT_DECODE, self.cfg.topk, self.layer_ids)
-
     def step_forward(self, ctx: SpecContext, tokens: torch.Tensor, depth: int, col: int,
                      mask: Optional[torch.Tensor], parent_hidden: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.draft_batch(ctx, tokens, depth, col, mask)
-        return self.engine.runner.forward(batch, self.layer_ids)
+        return self.runner.forward(batch, self.layer_ids)

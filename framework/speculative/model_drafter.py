@@ -13,12 +13,16 @@ candidates form the tree (parents before children).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
+from framework.attention import ATTENTION_BACKENDS
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import SpeculativeConfig
+from framework.kv import KVPool
+from framework.model_runner import ModelRunner
 from framework.sampling import probs_from_logits, sample_from_probs
 from framework.speculative.base import DraftTree, Drafter, SpecContext
 from framework.speculative.tree import chain_tree, select_tree
@@ -31,6 +35,23 @@ class ModelDrafter(Drafter):
         self.engine = engine
         self.cfg = cfg
         self.max_children = cfg.topk
+        self.runner: ModelRunner = engine.runner  # drafters with a model of their own replace it (own_runner)
+        self.layer_ids: Any = None  # layer_skip: the target's layers a draft forward runs
+
+    def own_runner(self, model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> None:
+        """Run drafts on ``model`` with a KV pool of its own (``num_layers`` layers) that uses the target's slot
+        indices, an attention backend of the configured kind over it, and the target's compile settings."""
+        eng = self.engine
+        self.pool = KVPool(num_layers, eng.allocator.num_slots, num_kv_heads, head_dim, eng.dtype, eng.device)
+        backend = ATTENTION_BACKENDS.build(eng.config.attention.name, self.pool, eng.allocator, num_heads,
+                                           num_kv_heads, head_dim)
+        self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device)
+
+    def warmup(self) -> None:
+        """Compile the draft-step shapes ahead of serving: one token per request, and topk for trees."""
+        for q_len in sorted({1, self.cfg.topk}):
+            self.runner.warmup(ForwardMode.DRAFT_DECODE, q_len, self.layer_ids)
 
     # ---- hooks for subclasses ---------------------------------------------------------------------------
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
