@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import gemv, gemv_applies
+
 
 @dataclass
 class LlamaArgs:
@@ -91,12 +93,16 @@ class Attention(nn.Module):
         self.backend: Any = None  # set by the model runner
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, meta))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
+        """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, heads, head_dim]
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(q, k, v, self.layer_id, meta))
+        return self.backend.forward(q, k, v, self.layer_id, meta)
 
 
 class MLP(nn.Module):
@@ -118,7 +124,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
+                fused: bool = False) -> torch.Tensor:
+        """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
+        (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones)."""
+        if fused:
+            attn, mlp = self.self_attn, self.mlp
+            qkv = gemv(x, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+            x = gemv(attn.attend(qkv, cos, sin, meta), attn.o_proj.weight, residual=x)
+            h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+                     eps=self.post_attention_layernorm.eps)
+            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -135,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fused_decode = True  # decode-sized batches on the GPU go through tfs::gemv (see DecoderLayer.forward)
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -160,7 +177,11 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
         sin = self.rope_sin[positions][:, None, :]
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
+        fused = self.fused_decode and gemv_applies(x, self.lm_head.weight)
         for layer in layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, meta, fused)
         hidden = self.norm(x)  # [n, hidden]
-        return self.lm_head(hidden[logits_index]).float(), hidden
+        rows = hidden[logits_index]
+        logits = gemv(rows, self.lm_head.weight) if fused and gemv_applies(rows, self.lm_head.weight) else \
+            self.lm_head(rows)
+        return logits.float(), hidden

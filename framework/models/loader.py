@@ -258,7 +258,10 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     """Build the model that ``cfg`` describes."""
     path = model_file(cfg)
     if cfg.source in ("gguf", "gguf_package"):
-        return load_gguf(path, dtype, device)
-    if cfg.source == "hf":
-        return load_hf(path, dtype, device)
-    return load_random(cfg, dtype, device)
+        model = load_gguf(path, dtype, device)
+    elif cfg.source == "hf":
+        model = load_hf(path, dtype, device)
+    else:
+        model = load_random(cfg, dtype, device)
+    model.fused_decode = cfg.fused_decode
+    return model

@@ -1,0 +1,165 @@
+"""Sweep ``tfs::gemv``'s launch parameters on a CUDA GPU and compare with cuBLAS on Llama-3-8B's linear shapes.
+
+    python bench/tune_gemv.py                  # sweep at 1 and 8 rows, then the 32-layer chain
+    python bench/tune_gemv.py --rows 1 --chain-only
+
+(1) For each (BLOCK_N, BLOCK_K, num_warps, num_stages), every shape's output is checked against ``F.linear`` and
+timed with ``triton.testing.do_bench`` (median, L2 flushed between runs); cuBLAS (``F.linear``) is timed the same
+way. Prints GB/s (weight bytes / time) per shape and each configuration's worst slowdown against the best one.
+(2) The chain: 32 layers' worth of distinct bf16 weights, each layer the four linears of a decoder layer with what
+surrounds them (RMSNorm, SiLU-mul, residual adds), once as torch ops (cuBLAS + separate elementwise kernels) and
+once as the four fused ``tfs::gemv`` calls, each captured in a CUDA graph; replay time against weight bytes over
+the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_attention import copy_bandwidth  # noqa: E402
+from kernels.gemv import gemv_reference, launch_gemv  # noqa: E402
+
+HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
+SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+          "lm_head": (VOCAB, HIDDEN)}
+
+
+def sweep(rows: int, args: argparse.Namespace) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weights = {name: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()
+               for name, (n, k) in SHAPES.items()}
+    xs = {name: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for name, (n, k) in SHAPES.items()}
+    gbs = lambda name, ms: SHAPES[name][0] * SHAPES[name][1] * 2 / ms / 1e6  # noqa: E731
+    cublas = {name: triton.testing.do_bench(lambda: F.linear(xs[name], w), return_mode="median")
+              for name, w in weights.items()}
+    block_ns = [b for b in args.block_n if rows == 1 or b >= 16]
+    table = {}
+    for launch in itertools.product(block_ns, args.block_k, args.warps, args.stages):
+        if launch[0] * launch[1] > 32768:
+            continue
+        times = {}
+        try:
+            for name, w in weights.items():
+                out = launch_gemv(xs[name], w, None, None, 0.0, False, launch)
+                torch.testing.assert_close(out.float(), F.linear(xs[name], w).float(), atol=2e-2, rtol=2e-2)
+                times[name] = triton.testing.do_bench(lambda: launch_gemv(xs[name], w, None, None, 0.0, False, launch),
+                                                      return_mode="median")
+        except Exception as e:  # noqa: BLE001 (out of resources: report and go on)
+            print(f"{launch}: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        table[launch] = times
+    best = {name: min(t[name] for t in table.values()) for name in SHAPES}
+    print(f"\nrows={rows}: GB/s per shape (weight bytes / median time); cuBLAS first")
+    print(f"{'launch (BN, BK, warps, stages)':>32} | " + " ".join(f"{n:>8}" for n in SHAPES) + " | worst/best")
+    print(f"{'cuBLAS':>32} | " + " ".join(f"{gbs(n, cublas[n]):>8.0f}" for n in SHAPES) + " | "
+          f"{max(cublas[n] / best[n] for n in SHAPES):.3f}")
+    ranked = sorted(table.items(), key=lambda kv: max(kv[1][n] / best[n] for n in SHAPES))
+    for launch, t in ranked[: args.top]:
+        print(f"{str(launch):>32} | " + " ".join(f"{gbs(n, t[n]):>8.0f}" for n in SHAPES) + " | "
+              f"{max(t[n] / best[n] for n in SHAPES):.3f}")
+    per_shape = {n: min(table, key=lambda launch: table[launch][n]) for n in SHAPES}
+    print("best per shape: " + ", ".join(f"{n} {per_shape[n]}" for n in SHAPES))
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def chain(rows: int, layers: int, copy_gbs: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
+    lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
+               n1=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5, n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
+          for _ in range(layers)]
+    weight_bytes = sum(t.numel() * 2 for layer in lw for t in layer.values())
+    x0 = torch.randn(rows, HIDDEN, generator=gen, device="cuda").bfloat16()
+
+    def torch_layers(x: torch.Tensor) -> torch.Tensor:
+        for p in lw:
+            qkv = F.linear(rms(x, p["n1"]), p["qkv"])
+            x = x + F.linear(qkv[:, :Q], p["o"])  # attention's output stands in for q
+            gate, up = F.linear(rms(x, p["n2"]), p["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, p["down"])
+        return x
+
+    def fused_layers(x: torch.Tensor) -> torch.Tensor:
+        for p in lw:
+            qkv = launch_gemv(x, p["qkv"], None, p["n1"], 1e-5, False)
+            x = launch_gemv(qkv[:, :Q], p["o"], x, None, 0.0, False)
+            h = launch_gemv(x, p["gate_up"], None, p["n2"], 1e-5, False)
+            x = launch_gemv(h, p["down"], x, None, 0.0, True)
+        return x
+
+    def reference_layers(x: torch.Tensor) -> torch.Tensor:  # the op's reference, for the check
+        for p in lw:
+            qkv = gemv_reference(x, p["qkv"], None, p["n1"], 1e-5, False)
+            x = gemv_reference(qkv[:, :Q], p["o"], x, None, 0.0, False)
+            h = gemv_reference(x, p["gate_up"], None, p["n2"], 1e-5, False)
+            x = gemv_reference(h, p["down"], x, None, 0.0, True)
+        return x
+
+    ref = reference_layers(x0)
+    results = {}
+    for name, fn in (("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", fused_layers)):
+        out = fn(x0)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fn(x0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x0)
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        results[name] = (statistics.median(times), err)
+    floor_ms = weight_bytes / copy_gbs / 1e6
+    print(f"\nchain: {layers} layers, {rows} row(s), {weight_bytes / 1e9:.2f} GB of weights, copy {copy_gbs:.0f} GB/s, "
+          f"floor {floor_ms:.3f} ms")
+    print(f"{'path':>30} | {'ms':>7} | {'GB/s':>6} | {'/floor':>6} | rel. err vs reference")
+    for name, (ms, err) in results.items():
+        print(f"{name:>30} | {ms:>7.3f} | {weight_bytes / ms / 1e6:>6.0f} | {ms / floor_ms:>6.3f} | {err:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--block-n", nargs="+", type=int, default=[8, 16, 32, 64])
+    ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256, 512, 1024])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--chain-only", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    copy_gbs = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
+    for rows in args.rows:
+        if not args.chain_only:
+            sweep(rows, args)
+        chain(rows, args.layers, copy_gbs)
+
+
+if __name__ == "__main__":
+    main()

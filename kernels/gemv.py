@@ -1,0 +1,173 @@
+"""``tfs::gemv``: ``y = x @ w.T`` for the few rows of a decode step, streaming the weight once at HBM speed.
+
+At batch 1-16 a linear layer is a matrix-vector product bound by reading the weight; cuBLAS reaches about 88% of
+the copy bandwidth there and needs a separate split-K reduction for the tall-K shapes. This kernel gives each
+program ``BLOCK_N`` whole rows of the weight (no split-K, no second kernel) and fuses what a decoder layer does
+around its linears, so that a layer runs in fewer kernels:
+
+- ``norm_weight``: RMSNorm of ``x`` before the product (each program computes the rows' RMS from ``x`` itself),
+- ``silu_mul``: ``x = [gate | up]`` and the product takes ``silu(gate) * up`` (the MLP's down projection),
+- ``residual``: ``y = residual + x @ w.T`` (the layer's residual stream).
+
+The rounding follows the unfused torch code (normalised rows and the activation are cast to the weight's dtype
+before the product, the product to the output dtype before the residual add), so the fused op and
+:func:`gemv_reference` differ only by summation order. One row (``BLOCK_M = 1``) accumulates with FMAs; 2-16 rows
+use ``tl.dot`` on a 16-row tile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels.dispatch import register_cpu_reference, use_triton
+
+MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (one row?, tall K?); from bench/tune_gemv.py on an H200
+CUDA_LAUNCH = {
+    (True, False): (16, 512, 4, 3),
+    (True, True): (16, 512, 4, 3),
+    (False, False): (16, 256, 4, 3),
+    (False, True): (16, 256, 4, 3),
+}
+
+
+@triton.jit
+def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
+            NORM: tl.constexpr, SILU_MUL: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_K]`` chunk of the product's left operand, prologue applied, in ``OUT_DTYPE``."""
+    ok = m_ok[:, None] & k_ok[None, :]
+    ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x = tl.load(ptr, mask=ok, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(ptr + K, mask=ok, other=0.0)
+        act = (gate * tl.sigmoid(gate)).to(up.dtype)  # F.silu rounds to the input dtype
+        x = act * up
+    if NORM:
+        nw = tl.load(NW + offs_k, mask=k_ok, other=0.0)
+        xn = (x.to(tl.float32) * rstd[:, None]).to(nw.dtype)  # RMSNorm: weight * (x * rstd).to(dtype)
+        x = nw[None, :] * xn
+    return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM:  # the RMS of each row of x, before its first use
+        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            k_ok = offs_k < K + BLOCK_K  # always true: lets the compiler drop the K mask
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        else:
+            k_ok = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
+                    W.dtype.element_ty)  # [BLOCK_M, BLOCK_K]
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        out = acc  # [BLOCK_M, BLOCK_N]
+    out = out.to(Y.dtype.element_ty)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
+
+
+def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[m, k] x [n, k]^T`` product on CUDA."""
+    return CUDA_LAUNCH[(m == 1, k > 2 * n)]
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
+                norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
+                launch: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it)."""
+    m = x.shape[0]
+    n, k = w.shape
+    block_n, block_k, warps, stages = launch or launch_params(m, n, k)
+    if x.is_cuda is False:  # the interpreter: small shapes, small tiles
+        block_n, block_k = min(block_n, 16), min(block_k, 64)
+    block_m = 1 if m == 1 else 16
+    y = torch.empty(m, n, dtype=w.dtype, device=x.device)
+    res = residual if residual is not None else y
+    nw = norm_weight if norm_weight is not None else w
+    wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n),)](
+        x, w, y, res, nw, m, n, k, eps, x.stride(0), w.stride(0), y.stride(0), res.stride(0),
+        NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+@triton_op("tfs::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+            eps: float, silu_mul: bool) -> torch.Tensor:
+    """x ``[m, k]`` (``[m, 2k]`` with ``silu_mul``), m <= MAX_ROWS, unit inner stride; w ``[n, k]`` contiguous;
+    residual ``[m, n]`` or None; norm_weight ``[k]`` or None -> ``[m, n]`` in w's dtype."""
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul)
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
+                   norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
+    """Plain torch, in the order the unfused decoder layer computes it."""
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.linear(x.to(w.dtype), w)
+    return y if residual is None else residual + y
+
+
+register_cpu_reference(gemv_op, gemv_reference)
+
+
+def gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when :func:`gemv` runs the kernel for this product: a CUDA (or interpreted) decode-sized batch."""
+    return use_triton(x) and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous()
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
+         norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False) -> torch.Tensor:
+    """The op where Triton runs and the batch is small enough (see :func:`gemv_applies`), the reference elsewhere."""
+    if silu_mul and norm_weight is not None:
+        raise ValueError("gemv: silu_mul and norm_weight cannot be combined")
+    fn = torch.ops.tfs.gemv if gemv_applies(x, w) else gemv_reference
+    return fn(x, w, residual, norm_weight, eps, silu_mul)
