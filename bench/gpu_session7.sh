@@ -15,11 +15,11 @@ if [ "${1:-a}" = a ]; then
     tail -2 "$OUT/bench_gpu_decode_8b_fused_$fused.log"
   done
 else
-  timeout 200 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
+  timeout 200 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 40 \
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_fused.log"
-  head -30 "$OUT/profile_8b_fused.log" | tail -28
-  timeout 150 python3 bench/tune_gemv.py --rows 8 --block-n 16 32 64 --block-k 128 256 512 --warps 4 8 \
-    --stages 3 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_rows8.log"; tail -14 "$OUT/tune_gemv_rows8.log"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py 2>&1 | grep -v DEBUG \
+  grep -A12 "^forward wall" "$OUT/profile_8b_fused.log"
+  timeout 200 python3 bench/tune_gemv.py --rows 1 --block-n 8 16 32 --block-k 256 512 1024 --warps 4 8 \
+    --stages 3 4 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_rows1.log"; tail -16 "$OUT/tune_gemv_rows1.log"
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py 2>&1 | grep -v DEBUG \
     > "$OUT/gpu_gemv_tests.log"; tail -15 "$OUT/gpu_gemv_tests.log"
 fi

@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
+    ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     engine, _, batch = decode_setup(args.model, args.mode, args.batch, args.context, 8, args.extra)
@@ -68,6 +69,13 @@ def main() -> None:
     print("group | us per forward | share")
     for group, us in sorted(by_group.items(), key=lambda kv: -kv[1]):
         print(f"{group} | {us:.0f} | {us / total_us:.2f}")
+    per_forward = len(kernels) // args.reps
+    one = sorted(kernels, key=lambda e: e.time_range.start)[per_forward: per_forward + args.timeline]  # 2nd replay
+    print(f"\none forward's first {len(one)} kernels: start us | gap before us | duration us | name")
+    for prev, e in zip([None, *one], one):
+        gap = e.time_range.start - prev.time_range.end if prev is not None else 0.0
+        print(f"{e.time_range.start - one[0].time_range.start:8.1f} | {gap:6.1f} | {e.time_range.elapsed_us():7.1f} | "
+              f"{e.name[:80]}")
     print("\ntop kernels | calls per forward | us per forward | mean us")
     for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
         print(f"{name[:90]} | {len(times) / args.reps:.0f} | {sum(times) / args.reps:.0f} | "

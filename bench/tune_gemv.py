@@ -19,6 +19,7 @@ import itertools
 import os
 import statistics
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +36,40 @@ SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, 
           "lm_head": (VOCAB, HIDDEN)}
 
 
+def graph_ms(calls: list[Callable[[], object]]) -> float:
+    """Median time of one call when ``calls`` run back to back in a CUDA graph (what a decode step does)."""
+    for fn in calls:
+        fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
 def sweep(rows: int, args: argparse.Namespace) -> None:
+    """Each shape timed over enough distinct copies of its weight (>= 2 GB) that nothing is served from L2."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    weights = {name: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()
-               for name, (n, k) in SHAPES.items()}
+    copies = {name: max(2, (2 << 30) // (n * k * 2)) for name, (n, k) in SHAPES.items()}
+    weights = {name: [torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()
+                      for _ in range(copies[name])] for name, (n, k) in SHAPES.items()}
     xs = {name: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for name, (n, k) in SHAPES.items()}
     gbs = lambda name, ms: SHAPES[name][0] * SHAPES[name][1] * 2 / ms / 1e6  # noqa: E731
-    cublas = {name: triton.testing.do_bench(lambda: F.linear(xs[name], w), return_mode="median")
-              for name, w in weights.items()}
+    cublas = {name: graph_ms([lambda w=w, x=xs[name]: F.linear(x, w) for w in ws]) for name, ws in weights.items()}
     block_ns = [b for b in args.block_n if rows == 1 or b >= 16]
     table = {}
     for launch in itertools.product(block_ns, args.block_k, args.warps, args.stages):
@@ -50,17 +77,18 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
             continue
         times = {}
         try:
-            for name, w in weights.items():
-                out = launch_gemv(xs[name], w, None, None, 0.0, False, launch)
-                torch.testing.assert_close(out.float(), F.linear(xs[name], w).float(), atol=2e-2, rtol=2e-2)
-                times[name] = triton.testing.do_bench(lambda: launch_gemv(xs[name], w, None, None, 0.0, False, launch),
-                                                      return_mode="median")
+            for name, ws in weights.items():
+                out = launch_gemv(xs[name], ws[0], None, None, 0.0, False, launch)
+                torch.testing.assert_close(out.float(), F.linear(xs[name], ws[0]).float(), atol=2e-2, rtol=2e-2)
+                times[name] = graph_ms([lambda w=w, x=xs[name]: launch_gemv(x, w, None, None, 0.0, False, launch)
+                                        for w in ws])
         except Exception as e:  # noqa: BLE001 (out of resources: report and go on)
             print(f"{launch}: {type(e).__name__}: {str(e)[:80]}")
             continue
         table[launch] = times
+    del weights
     best = {name: min(t[name] for t in table.values()) for name in SHAPES}
-    print(f"\nrows={rows}: GB/s per shape (weight bytes / median time); cuBLAS first")
+    print(f"\nrows={rows}: GB/s per shape (weight bytes / median time per call, calls back to back in a CUDA graph)")
     print(f"{'launch (BN, BK, warps, stages)':>32} | " + " ".join(f"{n:>8}" for n in SHAPES) + " | worst/best")
     print(f"{'cuBLAS':>32} | " + " ".join(f"{gbs(n, cublas[n]):>8.0f}" for n in SHAPES) + " | "
           f"{max(cublas[n] / best[n] for n in SHAPES):.3f}")
@@ -69,7 +97,7 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
         print(f"{str(launch):>32} | " + " ".join(f"{gbs(n, t[n]):>8.0f}" for n in SHAPES) + " | "
               f"{max(t[n] / best[n] for n in SHAPES):.3f}")
     per_shape = {n: min(table, key=lambda launch: table[launch][n]) for n in SHAPES}
-    print("best per shape: " + ", ".join(f"{n} {per_shape[n]}" for n in SHAPES))
+    print("best per shape: " + ", ".join(f"{n} {per_shape[n]} {gbs(n, table[per_shape[n]][n]):.0f}" for n in SHAPES))
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -115,24 +143,7 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
     for name, fn in (("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", fused_layers)):
         out = fn(x0)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            fn(x0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x0)
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        results[name] = (statistics.median(times), err)
+        results[name] = (graph_ms([lambda fn=fn: fn(x0)]), err)
     floor_ms = weight_bytes / copy_gbs / 1e6
     print(f"\nchain: {layers} layers, {rows} row(s), {weight_bytes / 1e9:.2f} GB of weights, copy {copy_gbs:.0f} GB/s, "
           f"floor {floor_ms:.3f} ms")
