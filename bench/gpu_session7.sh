@@ -14,6 +14,15 @@ if [ "${1:-a}" = a ]; then
       | grep -v DEBUG > "$OUT/bench_gpu_decode_8b_fused_$fused.log"
     tail -2 "$OUT/bench_gpu_decode_8b_fused_$fused.log"
   done
+elif [ "$1" = c ]; then
+  timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 24 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_fused_tuned.log"
+  grep -A5 "^forward wall" "$OUT/profile_8b_fused_tuned.log"; grep -A24 "^one forward" "$OUT/profile_8b_fused_tuned.log" | tail -12
+  timeout 130 python3 bench/bench_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --steps 30 \
+    --modes reduce_overhead -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+    | grep -v DEBUG > "$OUT/bench_gpu_decode_8b_fused_tuned.log"; tail -2 "$OUT/bench_gpu_decode_8b_fused_tuned.log"
+  timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_kernels_gemv.py \
+    tests/test_gpu.py 2>&1 | grep -v DEBUG > "$OUT/gpu_gemv_tests.log"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_gemv_tests.log" | tail -15
 else
   timeout 200 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 40 \
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_fused.log"

@@ -12,7 +12,7 @@ around its linears, so that a layer runs in fewer kernels:
 The rounding follows the unfused torch code (normalised rows and the activation are cast to the weight's dtype
 before the product, the product to the output dtype before the residual add), so the fused op and
 :func:`gemv_reference` differ only by summation order. One row (``BLOCK_M = 1``) accumulates with FMAs; 2-16 rows
-use ``tl.dot`` on a 16-row tile.
+use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights).
 """
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
+from kernels.online_softmax import dot
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (one row?, tall K?); from bench/tune_gemv.py on an H200
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
+# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): each within 3% of the best configuration
+# for Llama-3-8B's qkv / o / gate_up / down / lm_head shapes. Several rows: the tl.dot path, one configuration.
 CUDA_LAUNCH = {
-    (True, False): (16, 512, 4, 3),
-    (True, True): (16, 512, 4, 3),
-    (False, False): (16, 256, 4, 3),
-    (False, True): (16, 256, 4, 3),
+    "tall": (16, 1024, 4, 3),  # k > n: the MLP's down projection
+    "square": (16, 1024, 4, 4),  # n == k, small: o_proj
+    "wide": (8, 512, 4, 3),  # k < n < 4k: qkv
+    "very_wide": (16, 256, 4, 3),  # n >= 4k: gate_up, lm_head
+    "rows": (16, 256, 4, 3),
 }
 
 
@@ -62,6 +66,7 @@ def _gemv_kernel(
     X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,7 +100,7 @@ def _gemv_kernel(
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc += dot(x, tl.trans(w), IEEE_DOT)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -110,7 +115,13 @@ def _gemv_kernel(
 
 def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[m, k] x [n, k]^T`` product on CUDA."""
-    return CUDA_LAUNCH[(m == 1, k > 2 * n)]
+    if m > 1:
+        return CUDA_LAUNCH["rows"]
+    if k > n:
+        return CUDA_LAUNCH["tall"]
+    if n == k:
+        return CUDA_LAUNCH["square"]
+    return CUDA_LAUNCH["wide" if n < 4 * k else "very_wide"]
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
@@ -120,7 +131,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     m = x.shape[0]
     n, k = w.shape
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
-    if x.is_cuda is False:  # the interpreter: small shapes, small tiles
+    if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
     block_m = 1 if m == 1 else 16
     y = torch.empty(m, n, dtype=w.dtype, device=x.device)
@@ -130,7 +141,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         x, w, y, res, nw, m, n, k, eps, x.stride(0), w.stride(0), y.stride(0), res.stride(0),
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, num_stages=stages,
+        IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return y
 
