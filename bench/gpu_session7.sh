@@ -23,6 +23,12 @@ elif [ "$1" = c ]; then
     | grep -v DEBUG > "$OUT/bench_gpu_decode_8b_fused_tuned.log"; tail -2 "$OUT/bench_gpu_decode_8b_fused_tuned.log"
   timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_kernels_gemv.py \
     tests/test_gpu.py 2>&1 | grep -v DEBUG > "$OUT/gpu_gemv_tests.log"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_gemv_tests.log" | tail -15
+elif [ "$1" = d ]; then
+  timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 0 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_span.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_span.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_kernels_gemv.py::test_fused_decode_same_tokens_as_unfused \
+    tests/test_gpu.py 2>&1 | grep -v DEBUG > "$OUT/gpu_tests_d.log"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_d.log" | tail -15
 else
   timeout 200 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 40 \
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_fused.log"

@@ -70,7 +70,12 @@ def main() -> None:
     for group, us in sorted(by_group.items(), key=lambda kv: -kv[1]):
         print(f"{group} | {us:.0f} | {us / total_us:.2f}")
     per_forward = len(kernels) // args.reps
-    one = sorted(kernels, key=lambda e: e.time_range.start)[per_forward: per_forward + args.timeline]  # 2nd replay
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    spans = [ordered[i + per_forward - 1].time_range.end - ordered[i].time_range.start
+             for i in range(0, per_forward * args.reps, per_forward)]
+    print(f"GPU span of one forward (first kernel start to last kernel end, median): {statistics.median(spans):.0f} us"
+          " (the wall time above also counts the host's work before the graph launch)")
+    one = ordered[per_forward: per_forward + args.timeline]  # the 2nd replay
     print(f"\none forward's first {len(one)} kernels: start us | gap before us | duration us | name")
     for prev, e in zip([None, *one], one):
         gap = e.time_range.start - prev.time_range.end if prev is not None else 0.0
