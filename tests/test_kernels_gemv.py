@@ -49,6 +49,37 @@ def test_gemv_interpreted(rows: int, n: int, k: int, fusion: str) -> None:
     check(rows, n, k, fusion, "cpu", torch.float32, 1e-4, seed=rows * 100 + n + k)
 
 
+class _StubAttention:
+    """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
+
+    def forward(self, q, k, v, layer_id, meta):
+        group = q.shape[1] // k.shape[1]
+        return (q + (k * v).repeat_interleave(group, dim=1)).flatten(1)
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_decoder_layer_equals_unfused_interpreted(rows: int) -> None:
+    """DecoderLayer.forward(fused=True) (four tfs::gemv calls with norm / SiLU-mul / residual folded in) computes
+    what the unfused layer computes, on a tiny Llama layer with GQA."""
+    from framework.models.llama import DecoderLayer, LlamaArgs
+
+    torch.manual_seed(rows)
+    args = LlamaArgs(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     vocab_size=32)
+    layer = DecoderLayer(args, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
+    layer.self_attn.backend = _StubAttention()
+    x = torch.randn(rows, 64)
+    angles = torch.rand(rows, 1, 8) * 3
+    with torch.no_grad():
+        fused = layer(x, angles.cos(), angles.sin(), None, fused=True)
+        unfused = layer(x, angles.cos(), angles.sin(), None)
+    torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
+
+
 @interpreted
 def test_opcheck_interpreted() -> None:
     for fusion in ("plain", "norm+residual", "silu_mul"):

@@ -177,7 +177,9 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
         sin = self.rope_sin[positions][:, None, :]
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
-        fused = self.fused_decode and gemv_applies(x, self.lm_head.weight)
+        # NOTE: CUDA only: under TRITON_INTERPRET=1 every linear would run in the interpreter (the kernel's own
+        # interpreted tests cover it, and tests call DecoderLayer.forward(fused=True) directly)
+        fused = self.fused_decode and x.is_cuda and gemv_applies(x, self.lm_head.weight)
         for layer in layers:
             x = layer(x, cos, sin, meta, fused)
         hidden = self.norm(x)  # [n, hidden]
