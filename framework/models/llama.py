@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.fused_decode = True  # decode-sized batches on the GPU go through tfs::gemv (see DecoderLayer.forward)
+        self.fused_decode = True  # compiled decode-sized batches on CUDA use tfs::gemv (see DecoderLayer.forward)
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -177,9 +177,11 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
         sin = self.rope_sin[positions][:, None, :]
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
-        # NOTE: CUDA only: under TRITON_INTERPRET=1 every linear would run in the interpreter (the kernel's own
-        # interpreted tests cover it, and tests call DecoderLayer.forward(fused=True) directly)
-        fused = self.fused_decode and x.is_cuda and gemv_applies(x, self.lm_head.weight)
+        # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
+        # launch per linear would cost more than cuBLAS's (and under TRITON_INTERPRET=1 every linear would run in
+        # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
+        fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling()
+                 and gemv_applies(x, self.lm_head.weight))
         for layer in layers:
             x = layer(x, cos, sin, meta, fused)
         hidden = self.norm(x)  # [n, hidden]
