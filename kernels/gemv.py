@@ -9,9 +9,8 @@ around its linears, so that a layer runs in fewer kernels:
 - ``silu_mul``: ``x = [gate | up]`` and the product takes ``silu(gate) * up`` (the MLP's down projection),
 - ``residual``: ``y = residual + x @ w.T`` (the layer's residual stream).
 
-The rounding follows the unfused torch code (normalised rows and the activation are cast to the weight's dtype
-before the product, the product to the output dtype before the residual add), so the fused op and
-:func:`gemv_reference` differ only by summation order. One row (``BLOCK_M = 1``) accumulates with FMAs; 2-16 rows
+The rounding follows the unfused torch code (the normalised row and the activation are rounded to x's dtype, the
+product to the output dtype before the residual add); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``) accumulates with FMAs; 2-16 rows
 use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights).
 """
 
@@ -56,7 +55,7 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
         x = act * up
     if NORM:
         nw = tl.load(NW + offs_k, mask=k_ok, other=0.0)
-        xn = (x.to(tl.float32) * rstd[:, None]).to(nw.dtype)  # RMSNorm: weight * (x * rstd).to(dtype)
+        xn = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty)  # RMSNorm: weight * (x * rstd).to(x.dtype)
         x = nw[None, :] * xn
     return x.to(OUT_DTYPE)
 
@@ -89,8 +88,8 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            k_ok = offs_k < K + BLOCK_K  # always true: lets the compiler drop the K mask
+        if EVEN_K:  # no K mask on the weight (the x loads keep theirs: always true here)
+            k_ok = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
         else:
             k_ok = offs_k < K
@@ -130,6 +129,14 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it)."""
     m = x.shape[0]
     n, k = w.shape
+    torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")
+    torch._check(not (silu_mul and norm_weight is not None), lambda: "tfs::gemv: silu_mul with norm_weight")
+    torch._check(x.shape[1] == (2 * k if silu_mul else k), lambda: f"tfs::gemv: x {tuple(x.shape)} vs w {(n, k)}")
+    torch._check(x.stride(-1) == 1 and w.is_contiguous(), lambda: "tfs::gemv: x needs unit inner stride, w contiguous")
+    if residual is not None:
+        torch._check(residual.shape == (m, n) and residual.stride(-1) == 1, lambda: "tfs::gemv: residual [m, n]")
+    if norm_weight is not None:
+        torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)

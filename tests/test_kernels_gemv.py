@@ -25,13 +25,15 @@ FUSIONS = ["plain", "norm", "silu_mul", "residual", "silu_mul+residual", "norm+r
 
 
 def gemv_args(rows: int, n: int, k: int, fusion: str, device: str, dtype: torch.dtype, seed: int) -> tuple:
+    """Arguments of ``tfs::gemv``; the residual is a column slice of a wider tensor (a row stride other than n), and
+    eps is large enough that dropping it shows."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 2 * k if "silu_mul" in fusion else k, generator=gen)
     w = torch.randn(n, k, generator=gen) / k ** 0.5
-    residual = torch.randn(rows, n, generator=gen) if "residual" in fusion else None
+    residual = torch.randn(rows, n + 8, generator=gen)[:, :n] if "residual" in fusion else None
     norm_weight = torch.rand(k, generator=gen) + 0.5 if "norm" in fusion else None
     put = lambda t: None if t is None else t.to(device, dtype)  # noqa: E731
-    return put(x), put(w), put(residual), put(norm_weight), 1e-5, "silu_mul" in fusion
+    return put(x), put(w), put(residual), put(norm_weight), 0.1, "silu_mul" in fusion
 
 
 def check(rows: int, n: int, k: int, fusion: str, device: str, dtype: torch.dtype, tol: float, seed: int) -> None:
@@ -103,14 +105,22 @@ def test_opcheck_reference_and_fake_kernel() -> None:
     assert proc.returncode == 0 and "opcheck ok" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_gemv_falls_back_to_the_reference_for_large_batches() -> None:
-    """Above 16 rows (or without the kernel) gemv is the reference: the same numbers as the unfused torch code."""
-    x, w, residual, norm_weight, eps, _ = gemv_args(40, 24, 64, "norm+residual", "cpu", torch.float32, 1)
+@interpreted
+@pytest.mark.parametrize("rows", [16, 17, 40])
+def test_row_limit_and_fallback_interpreted(rows: int) -> None:
+    """Up to 16 rows gemv runs the kernel, above it the reference (the unfused torch code); the op itself refuses
+    more than 16 rows, and silu_mul with norm_weight, with one line."""
+    x, w, residual, norm_weight, eps, _ = gemv_args(rows, 24, 64, "norm+residual", "cpu", torch.float32, 1)
     unfused = residual + torch.nn.functional.linear(
         norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)), w)
-    torch.testing.assert_close(gemv(x, w, residual, norm_weight, eps), unfused)
+    torch.testing.assert_close(gemv(x, w, residual, norm_weight, eps), unfused, atol=1e-4, rtol=1e-4)
+    if rows > 16:
+        with pytest.raises(RuntimeError, match="at most 16 rows"):
+            torch.ops.tfs.gemv(x, w, residual, norm_weight, eps, False)
     with pytest.raises(ValueError, match="silu_mul and norm_weight"):
         gemv(x, w, norm_weight=norm_weight, silu_mul=True)
+    with pytest.raises(RuntimeError, match="silu_mul with norm_weight"):
+        torch.ops.tfs.gemv(torch.cat([x, x], 1)[:16], w, None, norm_weight, eps, True)
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
@@ -134,7 +144,9 @@ def test_gemv_gpu(shape: str, rows: int) -> None:
 
 @pytest.mark.gpu
 def test_gemv_gpu_odd_k_and_opcheck() -> None:
-    check(4, 1000, 576, "norm+residual", "cuda", torch.bfloat16, 2e-2, seed=3)  # SmolLM2's hidden size
+    for rows in (1, 4):  # SmolLM2's hidden size; N not a multiple of the tile
+        for fusion in ("norm+residual", "silu_mul+residual"):
+            check(rows, 1000, 576, fusion, "cuda", torch.bfloat16, 2e-2, seed=3)
     for fusion in ("plain", "norm+residual", "silu_mul+residual"):
         torch.library.opcheck(torch.ops.tfs.gemv, gemv_args(2, 256, 512, fusion, "cuda", torch.bfloat16, 0))
 
@@ -150,21 +162,27 @@ def test_gemv_gpu_compiled_with_cuda_graphs() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny_llama", "smollm2_135m_random"])
-def test_fused_decode_same_tokens_as_unfused(model: str) -> None:
+def test_fused_decode_same_tokens_as_unfused(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled (CUDA graphs) greedy decoding with model.fused_decode=true against false: identical tokens for
     tiny_llama in float32; for SmolLM2-shaped bf16, identical for at least the first 8 steps (the fused kernels sum
     in another order, and bf16 rounding may flip a late near-tie), like the attention backends' bf16 test."""
+    import kernels.gemv as gemv_module
     from framework import LLM
     from tests.test_attention_backends import BF16_PROMPTS
     from tests.test_gpu import cuda_overrides
 
+    launches = []  # the op's body runs when torch.compile traces and lowers it: proof that the fused path is used
+    real_launch = gemv_module.launch_gemv
+    monkeypatch.setattr(gemv_module, "launch_gemv", lambda *a, **kw: launches.append(1) or real_launch(*a, **kw))
     outs = []
     for fused in ("true", "false"):
+        launches.clear()
         extra = ["model.dtype=float32"] if model == "tiny_llama" else []
         llm = LLM(cuda_overrides(f"model={model}", *extra, f"model.fused_decode={fused}", "attention=triton",
                                  "compile=reduce_overhead", "scheduler.max_running_requests=2",
                                  "compile.batch_sizes=[1,2]"))
         outs.append([o.token_ids for o in llm.generate(BF16_PROMPTS)])
+        assert bool(launches) == (fused == "true")
     for fused, unfused in zip(*outs):
         same = next((i for i, (a, b) in enumerate(zip(fused, unfused)) if a != b), len(fused))
         assert same == len(fused) if model == "tiny_llama" else same >= 8, (fused, unfused)

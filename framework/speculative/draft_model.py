@@ -34,6 +34,7 @@ class DraftModelDrafter(ModelDrafter):
             raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; its tokenizer differs "
                               f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
         self.model = load_model(mcfg, engine.dtype, engine.device)
+        self.model.fused_decode = engine.model.fused_decode  # model.fused_decode applies to both models
         if self.model.args.vocab_size != engine.model.args.vocab_size:
             raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
                               f"{self.model.args.vocab_size} != the target's {engine.model.args.vocab_size}")
