@@ -13,3 +13,7 @@ timeout 150 python3 bench/tune_gemv.py --rows 8 --block-n 16 32 64 --block-k 128
 timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 0 \
   -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_span.log"
 grep -A6 "^forward wall" "$OUT/profile_8b_span.log"
+# verify at (1, 4k) costs 1.30x decode (target 1.2x): the split policy around that shape
+timeout 120 python3 bench/tune_split_kv.py --configs 1x4096 1x32768 --block-n 64 128 --warps 4 --stages 2 \
+  --targets 1 2 4 8 --min-split-lens 64 128 256 2>&1 | grep -v DEBUG > "$OUT/tune_split_1x4k.log"
+tail -20 "$OUT/tune_split_1x4k.log"
