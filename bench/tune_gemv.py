@@ -122,25 +122,17 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
             x = x + F.linear(F.silu(gate) * up, p["down"])
         return x
 
-    def fused_layers(x: torch.Tensor) -> torch.Tensor:
+    def gemv_layers(x: torch.Tensor, fn: Callable = launch_gemv) -> torch.Tensor:  # fn: the op or its reference
         for p in lw:
-            qkv = launch_gemv(x, p["qkv"], None, p["n1"], 1e-5, False)
-            x = launch_gemv(qkv[:, :Q], p["o"], x, None, 0.0, False)
-            h = launch_gemv(x, p["gate_up"], None, p["n2"], 1e-5, False)
-            x = launch_gemv(h, p["down"], x, None, 0.0, True)
+            qkv = fn(x, p["qkv"], None, p["n1"], 1e-5, False)
+            x = fn(qkv[:, :Q], p["o"], x, None, 0.0, False)
+            h = fn(x, p["gate_up"], None, p["n2"], 1e-5, False)
+            x = fn(h, p["down"], x, None, 0.0, True)
         return x
 
-    def reference_layers(x: torch.Tensor) -> torch.Tensor:  # the op's reference, for the check
-        for p in lw:
-            qkv = gemv_reference(x, p["qkv"], None, p["n1"], 1e-5, False)
-            x = gemv_reference(qkv[:, :Q], p["o"], x, None, 0.0, False)
-            h = gemv_reference(x, p["gate_up"], None, p["n2"], 1e-5, False)
-            x = gemv_reference(h, p["down"], x, None, 0.0, True)
-        return x
-
-    ref = reference_layers(x0)
+    ref = gemv_layers(x0, gemv_reference)
     results = {}
-    for name, fn in (("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", fused_layers)):
+    for name, fn in (("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", gemv_layers)):
         out = fn(x0)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         results[name] = (graph_ms([lambda fn=fn: fn(x0)]), err)

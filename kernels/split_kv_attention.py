@@ -154,12 +154,12 @@ def _split_kv_reduce_kernel(
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-# (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
-# draft); bench/tune_split_kv.py sweeps them on the device. The interpreter uses small tiles.
 # Chosen with bench/tune_split_kv.py on an H200 (docs/PERFORMANCE.md): programs per SM that the split count aims at
 # and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
 MIN_SPLIT_LEN = 128
+# (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
+# draft), from the same sweep. The interpreter uses small tiles.
 CUDA_LAUNCH = {"decode": (128, 4, 2), "multi": (128, 4, 2)}
 INTERPRET_LAUNCH = (32, 4, 1)
 

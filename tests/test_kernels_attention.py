@@ -205,9 +205,16 @@ def test_opcheck_interpreted():
 def test_opcheck_fake_tensors_without_interpreter():
     """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body: opcheck
     compares the two (shapes, dtypes, strides) and the schema's mutation claims."""
-    code = ("import torch; from tests.test_kernels_attention import op_args\n"
-            "for name, args in op_args('cpu').items():\n"
-            "    torch.library.opcheck(getattr(torch.ops.tfs, name), args,\n"
+    run_opcheck_without_interpreter("from tests.test_kernels_attention import op_args\n"
+                                    "cases = [(getattr(torch.ops.tfs, name), args) for name, args in "
+                                    "op_args('cpu').items()]\n")
+
+
+def run_opcheck_without_interpreter(setup: str) -> None:
+    """In a fresh process without the interpreter or a GPU, run ``torch.library.opcheck`` (schema, autograd
+    registration, fake tensors) on each ``(op, args)`` of the list ``cases`` that the code ``setup`` defines."""
+    code = ("import torch\n" + setup + "assert cases\nfor op, args in cases:\n"
+            "    torch.library.opcheck(op, args,\n"
             "                          test_utils=('test_schema', 'test_autograd_registration', 'test_faketensor'))\n"
             "print('opcheck ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

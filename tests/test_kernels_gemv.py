@@ -8,16 +8,12 @@ decode path gives the same greedy tokens as the unfused one.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kernels.dispatch import interpreter_active
 from kernels.gemv import gemv, gemv_reference
-from tests.test_kernels_attention import ROOT, run_interpreted
+from tests.test_kernels_attention import run_interpreted, run_opcheck_without_interpreter
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -92,17 +88,11 @@ def test_opcheck_interpreted() -> None:
 def test_opcheck_reference_and_fake_kernel() -> None:
     """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body: opcheck
     compares them (shapes, dtypes, strides). (The dynamic-shape trace needs a GPU driver: the GPU test runs it.)"""
-    code = ("import torch; from tests.test_kernels_gemv import gemv_args\n"
-            "for fusion in ('plain', 'norm+residual', 'silu_mul+residual'):\n"
-            "    for rows, n, k in ((2, 256, 512), (1, 64, 64)):\n"
-            "        torch.library.opcheck(torch.ops.tfs.gemv, gemv_args(rows, n, k, fusion, 'cpu', torch.float32, 0),\n"
-            "            test_utils=('test_schema', 'test_autograd_registration', 'test_faketensor'))\n"
-            "print('opcheck ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "opcheck ok" in proc.stdout, proc.stderr[-3000:]
+    run_opcheck_without_interpreter(
+        "from tests.test_kernels_gemv import gemv_args\n"
+        "cases = [(torch.ops.tfs.gemv, gemv_args(rows, n, k, fusion, 'cpu', torch.float32, 0))\n"
+        "         for fusion in ('plain', 'norm+residual', 'silu_mul+residual')\n"
+        "         for rows, n, k in ((2, 256, 512), (1, 64, 64))]\n")
 
 
 @interpreted

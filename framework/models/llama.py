@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import gemv, gemv_applies
+from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from kernels.gemv import gemv
 
 
 @dataclass
@@ -180,12 +181,10 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
         # launch per linear would cost more than cuBLAS's (and under TRITON_INTERPRET=1 every linear would run in
         # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
-        fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling()
-                 and gemv_applies(x, self.lm_head.weight))
+        fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
         for layer in layers:
             x = layer(x, cos, sin, meta, fused)
         hidden = self.norm(x)  # [n, hidden]
-        rows = hidden[logits_index]
-        logits = gemv(rows, self.lm_head.weight) if fused and gemv_applies(rows, self.lm_head.weight) else \
-            self.lm_head(rows)
+        rows = hidden[logits_index]  # [m <= n, hidden]
+        logits = gemv(rows, self.lm_head.weight) if fused else self.lm_head(rows)
         return logits.float(), hidden
