@@ -24,10 +24,11 @@ from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 
 
-def decode_setup(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str]):
+def decode_setup(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str],
+                 device: str = "cuda"):
     """An engine with ``bs`` requests of ``context`` random tokens prefilled and decoding, and one decode
     ``(step, batch)`` scheduled from it (not yet run)."""
-    llm = LLM([f"model={model}", "model.device=cuda", f"compile={mode}", f"scheduler.max_running_requests={bs}",
+    llm = LLM([f"model={model}", f"model.device={device}", f"compile={mode}", f"scheduler.max_running_requests={bs}",
                f"scheduler.max_context={context + 4 * steps + 64}", *extra])
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)

@@ -42,6 +42,7 @@ class ModelRunner:
         self.compiled = compiled
         self.batch_sizes = sorted(set(batch_sizes))
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
+        self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs
         model.set_attention_backend(backend)
         self._compiled_forward = None
         if compiled:
@@ -94,14 +95,13 @@ class ModelRunner:
         """A copy of a uniform-mode ``batch`` padded to the next captured batch size with dummy requests.
 
         NOTE: the copy's seq_lens / seq_lens_sum are the padded ones (metadata is derived from them while the
-        graph runs); the caller's batch keeps its raw values.
+        graph runs); the caller's batch keeps its raw values. On CUDA the integer inputs are the runner's static
+        buffers for this shape (see :class:`StaticInputs`), rewritten in place: valid until the next forward.
         """
         padded_bs = self.padded_size(batch.bs)
-        extra = padded_bs - batch.bs  # NOTE: also 0: the compiled graph gets fresh tensors, never views
+        extra = padded_bs - batch.bs
         q = batch.q_len
         dev = batch.input_ids.device
-        dummy_tokens = torch.zeros(extra * q, dtype=torch.int64, device=dev)
-        dummy_positions = torch.arange(q, device=dev).repeat(extra)  # the dummy sees only itself, at slot 0
         custom_mask = batch.custom_mask
         if custom_mask is not None:  # the dummy sees all of its keys (they are all its own, at slot 0)
             width = custom_mask.shape[-1]
@@ -111,19 +111,18 @@ class ModelRunner:
         hidden_in = batch.hidden_in
         if hidden_in is not None:
             hidden_in = torch.cat([hidden_in, hidden_in.new_zeros(extra * q, hidden_in.shape[-1])])
+        key = (batch.mode, padded_bs, q)
+        if dev.type == "cuda":
+            if key not in self._static:
+                self._static[key] = StaticInputs(padded_bs, q, dev)
+            ints = self._static[key].fill(batch, dummy_len)
+        else:  # NOTE: also when extra is 0: the compiled graph gets fresh, aligned tensors, never views
+            ints = pad_fresh(batch, extra, dummy_len)
+        input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index = ints
         return batch.replace(
-            input_ids=torch.cat([batch.input_ids, dummy_tokens]),
-            positions=torch.cat([batch.positions, dummy_positions]),
-            out_cache_loc=torch.cat([batch.out_cache_loc, torch.full_like(dummy_tokens, DUMMY_SLOT)]),
-            req_pool_indices=torch.cat([batch.req_pool_indices,
-                                        torch.full((extra,), DUMMY_ROW, dtype=torch.int64, device=dev)]),
-            seq_lens=torch.cat([batch.seq_lens, torch.full((extra,), dummy_len, dtype=torch.int64, device=dev)]),
-            seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
-            logits_index=torch.arange(padded_bs * q, device=dev),
-            custom_mask=custom_mask,
-            hidden_in=hidden_in,
-            padded_bs=padded_bs,
+            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
+            logits_index=logits_index, custom_mask=custom_mask, hidden_in=hidden_in, padded_bs=padded_bs,
             seq_lens_sum=sum(seq_lens_cpu),
         )
 
@@ -144,7 +143,7 @@ class ModelRunner:
                    *self.backend.dynamic_dims(padded.attn)]
         if padded.hidden_in is not None:
             dynamic.append((padded.hidden_in, 0))
-        for tensor, dim in dynamic:
+        for tensor, dim in dynamic:  # (a no-op on a static buffer marked before)
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
         torch.compiler.cudagraph_mark_step_begin()
@@ -152,3 +151,55 @@ class ModelRunner:
         logits, hidden = self._compiled_forward(padded.input_ids, padded.positions, padded.attn,
                                                 padded.logits_index, extra)
         return logits[: batch.logits_index.shape[0]], hidden[: batch.input_ids.shape[0]]
+
+
+def pad_fresh(batch: ForwardBatch, extra: int, dummy_len: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index) of ``batch`` with ``extra``
+    dummy requests appended, as new tensors. A dummy request (reserved req row and KV slot) has ``q_len`` tokens
+    at positions 0.. and ``dummy_len`` keys, all its own."""
+    q, dev = batch.q_len, batch.input_ids.device
+    dummy_tokens = torch.zeros(extra * q, dtype=torch.int64, device=dev)
+    return (torch.cat([batch.input_ids, dummy_tokens]),
+            torch.cat([batch.positions, torch.arange(q, device=dev).repeat(extra)]),
+            torch.cat([batch.out_cache_loc, torch.full_like(dummy_tokens, DUMMY_SLOT)]),
+            torch.cat([batch.req_pool_indices, torch.full((extra,), DUMMY_ROW, dtype=torch.int64, device=dev)]),
+            torch.cat([batch.seq_lens, torch.full((extra,), dummy_len, dtype=torch.int64, device=dev)]),
+            torch.arange((batch.bs + extra) * q, device=dev))
+
+
+class StaticInputs:
+    """The integer inputs of one captured CUDA graph shape ``(mode, padded_bs, q_len)``, at fixed addresses.
+
+    They are marked static (unguarded), so cudagraph trees replay without copying them into the graph's own input
+    buffers; one ``torch._foreach_copy_`` writes a batch's values and the dummy tail in one launch. Dummy rows are
+    rewritten on every fill: a smaller batch after a larger one leaves no stale slots behind.
+    """
+
+    def __init__(self, padded_bs: int, q_len: int, device: torch.device) -> None:
+        n = padded_bs * q_len
+        self.q_len = q_len
+        zeros = torch.zeros(n, dtype=torch.int64, device=device)
+        # input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: the graph's buffers and the dummy values
+        self.buffers = [torch.zeros_like(zeros) for _ in range(3)] + [
+            torch.zeros(padded_bs, dtype=torch.int64, device=device) for _ in range(2)]
+        self.dummy = [zeros, torch.arange(q_len, device=device).repeat(padded_bs),
+                      torch.full_like(zeros, DUMMY_SLOT),
+                      torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=device)]
+        self.dummy_seq_lens: dict[int, torch.Tensor] = {}
+        self.logits_index = torch.arange(n, device=device)
+        for t in [*self.buffers, self.logits_index]:
+            torch._dynamo.mark_static_address(t, guard=False)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def fill(self, batch: ForwardBatch, dummy_len: int) -> tuple[torch.Tensor, ...]:
+        if dummy_len not in self.dummy_seq_lens:
+            self.dummy_seq_lens[dummy_len] = torch.full_like(self.buffers[4], dummy_len)
+        n, bs = batch.input_ids.shape[0], batch.bs
+        src = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
+        cut = [n, n, n, bs, bs]
+        dst = [buf[:c] for buf, c in zip(self.buffers, cut)]
+        if bs < self.buffers[3].shape[0]:
+            dst += [buf[c:] for buf, c in zip(self.buffers, cut)]
+            src += [d[c:] for d, c in zip([*self.dummy, self.dummy_seq_lens[dummy_len]], cut)]
+        torch._foreach_copy_(dst, src)
+        return (*self.buffers, self.logits_index)

@@ -59,3 +59,26 @@ def test_padding_keeps_the_callers_batch(compiled):
     engine.scheduler.process(step, logits.argmax(-1).tolist())
     while engine.has_work():
         engine.step()
+
+
+def test_static_inputs_equal_fresh_padding_and_leave_no_stale_rows():
+    """The CUDA path's static graph inputs (filled in place) hold what fresh padding builds, also when a smaller
+    batch follows a larger one in the same buffers (no slot or row of the earlier batch survives)."""
+    from framework.batch import ForwardBatch
+    from framework.model_runner import StaticInputs, pad_fresh
+
+    def batch(bs: int, q: int, seed: int) -> ForwardBatch:
+        gen = torch.Generator().manual_seed(seed)
+        ints = lambda n: torch.randint(1, 1000, (n,), generator=gen)  # noqa: E731
+        lens = ints(bs).tolist()
+        return ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=ints(bs * q), positions=ints(bs * q),
+                            out_cache_loc=ints(bs * q), req_pool_indices=ints(bs), seq_lens=torch.tensor(lens),
+                            seq_lens_cpu=lens, extend_lens_cpu=[q] * bs, logits_index=torch.arange(bs * q))
+
+    static = StaticInputs(4, 3, torch.device("cpu"))
+    for bs, dummy_len in [(4, 3), (3, 5), (1, 3), (4, 3)]:
+        b = batch(bs, 3, seed=bs)
+        filled = static.fill(b, dummy_len)
+        for got, want in zip(filled, pad_fresh(b, 4 - bs, dummy_len)):
+            assert torch.equal(got, want)
+    assert all(t.data_ptr() == s.data_ptr() for t, s in zip(static.fill(batch(2, 3, 0), 3), filled))

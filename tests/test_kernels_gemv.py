@@ -144,7 +144,8 @@ def test_gemv_gpu_odd_k_and_opcheck() -> None:
 @pytest.mark.gpu
 def test_gemv_gpu_compiled_with_cuda_graphs() -> None:
     args = gemv_args(1, 4096, 4096, "norm+residual", "cuda", torch.bfloat16, 5)
-    fn = torch.compile(lambda x, w, r, nw: gemv(x, w, r, nw, 1e-5) * 2, mode="reduce-overhead", fullgraph=True)
+    eps = args[4]
+    fn = torch.compile(lambda x, w, r, nw: gemv(x, w, r, nw, eps) * 2, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):
         out = fn(*args[:4])
     torch.testing.assert_close(out.float(), 2 * gemv_reference(*args).float(), atol=4e-2, rtol=2e-2)
