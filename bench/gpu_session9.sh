@@ -28,3 +28,14 @@ if [ "${1:-a}" = b ]; then  # the runner's static graph inputs: GPU tests, then 
     head -9 "$OUT/profile_host_smollm2${flags}.log"
   done
 fi
+if [ "${1:-a}" = c ]; then  # fused RoPE + KV store, guard skipping: GPU tests, then the 8B step and the host share
+  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_rope_store.py \
+    tests/test_gpu.py > "$OUT/gpu_tests_c.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests_c.log" | tail -24
+  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_c.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_c.log"; grep -A13 "^one forward" "$OUT/profile_8b_c.log"
+  timeout 100 python3 bench/profile_host_decode.py --model smollm2_135m_random --batch 1 --context 1024 --top 25 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_host_smollm2_c.log"
+  head -8 "$OUT/profile_host_smollm2_c.log"
+fi

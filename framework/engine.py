@@ -89,7 +89,7 @@ class Engine:
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
         self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
-                                  self.device)
+                                  self.device, config.compile.skip_guards)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,

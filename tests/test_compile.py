@@ -82,3 +82,27 @@ def test_static_inputs_equal_fresh_padding_and_leave_no_stale_rows():
         for got, want in zip(filled, pad_fresh(b, 4 - bs, dummy_len)):
             assert torch.equal(got, want)
     assert all(t.data_ptr() == s.data_ptr() for t, s in zip(static.fill(batch(2, 3, 0), 3), filled))
+
+
+def test_input_signature_tells_apart_what_guards_check():
+    """compile.skip_guards skips dynamo's guards only for an input signature already run with them: the signature
+    must change with every shape, dtype and metadata value a guard could look at, and not with tensor contents."""
+    from dataclasses import dataclass
+
+    from framework.model_runner import input_signature
+
+    @dataclass
+    class Meta:
+        slots: torch.Tensor
+        q_len: int
+        policy: tuple
+
+    def sig(n=4, q_len=1, dtype=torch.int64, policy=(64, 528, 128), layers=None, fill=0):
+        t = torch.full((n,), fill, dtype=dtype)
+        return input_signature((t, Meta(t, q_len, policy), layers))
+
+    base = sig()
+    assert sig(fill=7) == base
+    for changed in (sig(n=8), sig(q_len=2), sig(dtype=torch.int32), sig(policy=(64, 264, 128)), sig(layers=[0, 2])):
+        assert changed != base
+    assert sig(layers=[0, 2]) != sig(layers=[0, 3])

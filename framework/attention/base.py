@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +36,13 @@ class AttentionBackend:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``
         -> ``[num_tokens, num_heads * head_dim]``."""
         raise NotImplementedError
+
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                    meta: Any) -> Optional[torch.Tensor]:
+        """A backend that fuses RoPE and the K/V store takes the raw projection here: qkv ``[n, (heads + 2 *
+        kv_heads) * head_dim]``, cos / sin ``[n, 1, head_dim // 2]`` float32 -> ``[n, heads * head_dim]``. None:
+        not fused, the model applies RoPE and calls :meth:`forward`."""
+        return None
 
     def dynamic_dims(self, meta: Any) -> list[tuple[torch.Tensor, int]]:
         """(tensor, dim) pairs of ``meta`` whose size varies between replays of one compiled graph."""

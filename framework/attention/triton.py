@@ -1,6 +1,7 @@
 """``attention=triton``: Triton kernels (``kernels/``) straight over the paged KV pool.
 
-- every mode first writes the new K/V into the pool at ``out_cache_loc`` (``tfs::store_kv``);
+- every mode first applies RoPE to q and k and writes the new K/V into the pool at ``out_cache_loc``, in one kernel
+  (``tfs::rope_store_kv``, through :meth:`forward_qkv`; :meth:`forward` takes roped q/k and uses ``tfs::store_kv``);
 - EXTEND (ragged prefill, eager): ``tfs::extend_attention``, causal over the new tokens, whole prefix visible;
 - DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
 - TARGET_VERIFY / DRAFT_EXTEND / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
@@ -62,6 +63,7 @@ class TritonBackend(AttentionBackend):
                               f"{num_kv_heads} KV heads")
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
+        from kernels.rope_store import rope_store_kv
         from kernels.split_kv_attention import split_policy
         from kernels.store_kv import store_kv
         from kernels.verify_attention import verify_attention
@@ -69,6 +71,7 @@ class TritonBackend(AttentionBackend):
         self._decode, self._extend, self._verify, self._store = decode_attention, extend_attention, \
             verify_attention, store_kv
         self._split_policy = split_policy
+        self._rope_store = rope_store_kv
         self._policies: dict[int, tuple[int, int, int]] = {}
         if allocator.device.type == "cuda":
             # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
@@ -102,10 +105,22 @@ class TritonBackend(AttentionBackend):
             dims += [(meta.custom_mask, 0), (meta.custom_mask, 2)]
         return dims
 
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                    meta: TritonMetadata) -> torch.Tensor:
+        """RoPE and the K/V store in one kernel (``tfs::rope_store_kv``), then attention."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
+        q = self._rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.out_cache_loc, self.num_heads,
+                             self.num_kv_heads, self.head_dim)  # [n, heads, head_dim]
+        return self._attend(q, k_cache, v_cache, meta)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TritonMetadata) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
         self._store(k_cache, v_cache, meta.out_cache_loc, k, v)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonMetadata) -> torch.Tensor:
         if meta.q_starts is not None:
             out = self._extend(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)

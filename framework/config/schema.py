@@ -65,6 +65,8 @@ class KVConfig:
 class CompileConfig:
     mode: str = "auto"  # auto | eager | reduce_overhead
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # after one fully guarded call per input signature, later calls skip dynamo's guard evaluation
+    skip_guards: bool = True
 
 
 @dataclass

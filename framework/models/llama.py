@@ -98,6 +98,9 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
+        fused = self.backend.forward_qkv(qkv, cos, sin, self.layer_id, meta)
+        if fused is not None:
+            return fused
         n = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, heads, head_dim]

@@ -46,7 +46,8 @@ class ModelDrafter(Drafter):
         self.pool = KVPool(num_layers, eng.allocator.num_slots, num_kv_heads, head_dim, eng.dtype, eng.device)
         backend = ATTENTION_BACKENDS.build(eng.config.attention.name, self.pool, eng.allocator, num_heads,
                                            num_kv_heads, head_dim)
-        self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device)
+        self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device,
+                                  eng.runner.skip_guards)
 
     def warmup(self) -> None:
         """Compile the draft-step shapes ahead of serving: one token per request, and topk for trees."""
