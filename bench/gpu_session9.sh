@@ -39,3 +39,11 @@ if [ "${1:-a}" = c ]; then  # fused RoPE + KV store, guard skipping: GPU tests, 
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_host_smollm2_c.log"
   head -8 "$OUT/profile_host_smollm2_c.log"
 fi
+if [ "${1:-a}" = d ]; then  # is compile.skip_guards in effect on this torch? (against a process-wide stance)
+  for flags in "" "--skip-guards"; do
+    timeout 100 python3 bench/profile_host_decode.py --model smollm2_135m_random --batch 1 --context 1024 --top 25 \
+      --reps 300 $flags -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG \
+      > "$OUT/profile_host_smollm2_d${flags}.log"
+    head -9 "$OUT/profile_host_smollm2_d${flags}.log"
+  done
+fi

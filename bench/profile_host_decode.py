@@ -81,6 +81,8 @@ def main() -> None:
           f"skip guards {args.skip_guards}: host us per call (mean of {args.reps})")
     for name, fn in rows:
         print(f"{name} | {per_call_us(fn, args.reps, args.device):.1f}")
+    print(f"torch {torch.__version__}; compile.skip_guards active: {runner.skip_guards}; input signatures run with "
+          f"guards: {len(runner._guarded)}")
     step_ms = []
     for _ in range(args.reps):  # whole engine steps, each ending in the sampled tokens' read-back
         t0 = time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import inspect
 import logging
 from typing import Any
 
@@ -19,8 +18,16 @@ from framework.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
-# torch >= 2.7: run only the guards that tell compiled entries apart (see ModelRunner.forward)
-CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
+def _can_skip_guards() -> bool:
+    """True when this torch can run only the guards that tell compiled entries apart (see ModelRunner.forward)."""
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):
+            return True
+    except (TypeError, AttributeError):
+        return False
+
+
+CAN_SKIP_GUARDS = _can_skip_guards()
 
 
 def input_signature(value: Any) -> Any:
