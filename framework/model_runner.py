@@ -30,6 +30,11 @@ def _can_skip_guards() -> bool:
 CAN_SKIP_GUARDS = _can_skip_guards()
 
 
+def full_guards() -> Any:
+    """A context in which torch.compile'd code evaluates all of its guards (and may compile)."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
+
+
 def input_signature(value: Any) -> Any:
     """What dynamo's guards on ``value`` depend on, as a hashable key: tensors by dtype, device and shape, Python
     scalars by value, containers and metadata objects field by field."""
@@ -67,6 +72,8 @@ class ModelRunner:
         self.compiled = compiled
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards
+        if self.skip_guards:
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)  # process-wide, see _guard_stance
         self.batch_sizes = sorted(set(batch_sizes))
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
         self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs
@@ -162,7 +169,8 @@ class ModelRunner:
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         if not (self.compiled and batch.mode.uniform):
             batch.attn = self.backend.init_metadata(batch)
-            return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
+            with full_guards() if self.skip_guards else contextlib.nullcontext():  # (a backend may compile parts)
+                return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
         padded = self.pad(batch)
         padded.attn = self.backend.init_metadata(padded)
         # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured
@@ -183,24 +191,25 @@ class ModelRunner:
         except RuntimeError as err:  # torch refused to recompile without guards: run this call with them
             if "skip_guard_eval_unsafe" not in str(err):
                 raise
-            log.warning("compiled forward needed a recompile for a seen input signature; guards stay on for it")
-            self.skip_guards = False
-            logits, hidden = self._compiled_forward(*args)
+            log.warning("compiled forward recompiled for an input signature it had seen; ran it with full guards")
+            with full_guards():
+                logits, hidden = self._compiled_forward(*args)
         return logits[: batch.logits_index.shape[0]], hidden[: batch.input_ids.shape[0]]
 
     def _guard_stance(self, args: tuple) -> Any:
-        """Dynamo's guards cost ~0.3 ms of host time per call of this model (a guard per parameter and input):
-        more than the GPU time of a small model's decode step. The first call with each input signature (every
-        shape, dtype and metadata value the guards look at, plus the grad mode) runs them in full and compiles
-        what it must; later calls with a signature already seen run only the guards that tell the compiled
-        entries apart (``compile.skip_guards``)."""
+        """Dynamo's guards cost ~0.4 ms of host time per call of this model (a guard per parameter and input):
+        more than the GPU time of a small model's decode step. With ``compile.skip_guards`` the process runs in
+        torch's ``skip_guard_eval_unsafe`` stance (set when the runner is built: switching it per call costs as much
+        as the guards), which evaluates only the guards that tell compiled entries apart. The first call with each
+        input signature (every shape, dtype and metadata value the guards look at, plus the grad mode) and every
+        eager forward run with full guards, so that whatever must compile does so with them."""
         if not self.skip_guards:
             return contextlib.nullcontext()
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), input_signature(args))
-        if key not in self._guarded:
-            self._guarded.add(key)
+        if key in self._guarded:
             return contextlib.nullcontext()
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        self._guarded.add(key)
+        return full_guards()
 
 
 def pad_fresh(batch: ForwardBatch, extra: int, dummy_len: int) -> tuple[torch.Tensor, ...]:
