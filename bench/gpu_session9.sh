@@ -47,3 +47,10 @@ if [ "${1:-a}" = d ]; then  # is compile.skip_guards in effect on this torch? (a
     head -9 "$OUT/profile_host_smollm2_d${flags}.log"
   done
 fi
+if [ "${1:-a}" = e ]; then  # process-wide skip stance: GPU correctness, then the 8B step
+  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 0 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_e.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_e.log"
+  timeout 170 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_gpu.py > "$OUT/gpu_tests_e.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_e.log" | tail -14
+fi
