@@ -30,9 +30,18 @@ def _can_skip_guards() -> bool:
 CAN_SKIP_GUARDS = _can_skip_guards()
 
 
+_SKIP_STANCE_SET = False  # a runner put the process in the skip_guard_eval_unsafe stance
+
+
 def full_guards() -> Any:
     """A context in which torch.compile'd code evaluates all of its guards (and may compile)."""
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
+
+
+def guarded_if_skipping() -> Any:
+    """Full guards when some runner set the skip stance (a no-op context otherwise): for calls that may compile
+    (eager forwards whose backend compiles parts, runners with ``compile.skip_guards=false``)."""
+    return full_guards() if _SKIP_STANCE_SET else contextlib.nullcontext()
 
 
 def input_signature(value: Any) -> Any:
@@ -66,14 +75,16 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
-                 batch_sizes: list[int], device: torch.device, skip_guards: bool = True) -> None:
+                 batch_sizes: list[int], device: torch.device, skip_guards: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.compiled = compiled
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards
         if self.skip_guards:
+            global _SKIP_STANCE_SET
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)  # process-wide, see _guard_stance
+            _SKIP_STANCE_SET = True
         self.batch_sizes = sorted(set(batch_sizes))
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
         self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs
@@ -169,7 +180,7 @@ class ModelRunner:
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         if not (self.compiled and batch.mode.uniform):
             batch.attn = self.backend.init_metadata(batch)
-            with full_guards() if self.skip_guards else contextlib.nullcontext():  # (a backend may compile parts)
+            with guarded_if_skipping():  # (a backend may compile parts of its eager path)
                 return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
         padded = self.pad(batch)
         padded.attn = self.backend.init_metadata(padded)
@@ -204,7 +215,7 @@ class ModelRunner:
         input signature (every shape, dtype and metadata value the guards look at, plus the grad mode) and every
         eager forward run with full guards, so that whatever must compile does so with them."""
         if not self.skip_guards:
-            return contextlib.nullcontext()
+            return guarded_if_skipping()
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), input_signature(args))
         if key in self._guarded:
             return contextlib.nullcontext()

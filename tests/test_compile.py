@@ -23,7 +23,12 @@ def eager_outputs():
 
 @pytest.fixture(scope="module", params=[1, 16])
 def compiled(request):
-    return LLM(COMPILED + [f"kv.page_size={request.param}"])
+    """Also with compile.skip_guards=true (opt-in); its process-wide stance is undone for the tests after these."""
+    import framework.model_runner as model_runner
+
+    yield LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true"])
+    torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
+    model_runner._SKIP_STANCE_SET = False
 
 
 def test_compiled_greedy_equals_eager(compiled, eager_outputs):

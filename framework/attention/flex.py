@@ -113,13 +113,16 @@ def attend_compiled(*args: Any) -> torch.Tensor:
     global _compiled_attend
     if torch.compiler.is_compiling():
         return attend(*args)
-    if not args[0].is_cuda:
-        with warnings.catch_warnings():  # the unfused CPU path is deliberate; flex would warn about it
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return attend(*args)
-    if _compiled_attend is None:
-        _compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
-    return _compiled_attend(*args)
+    from framework.model_runner import guarded_if_skipping  # flex compiles internally: never without guards
+
+    with guarded_if_skipping():
+        if not args[0].is_cuda:
+            with warnings.catch_warnings():  # the unfused CPU path is deliberate; flex would warn about it
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                return attend(*args)
+        if _compiled_attend is None:
+            _compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
+        return _compiled_attend(*args)
 
 
 @ATTENTION_BACKENDS.register("flex")

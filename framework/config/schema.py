@@ -65,8 +65,9 @@ class KVConfig:
 class CompileConfig:
     mode: str = "auto"  # auto | eager | reduce_overhead
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    # after one fully guarded call per input signature, later calls skip dynamo's guard evaluation
-    skip_guards: bool = True
+    # opt-in: after one fully guarded call per input signature, later calls skip dynamo's guard evaluation
+    # (process-wide skip_guard_eval_unsafe stance: other torch.compile'd code in the process is affected too)
+    skip_guards: bool = False
 
 
 @dataclass
