@@ -50,6 +50,9 @@ def test_gemv_interpreted(rows: int, n: int, k: int, fusion: str) -> None:
 class _StubAttention:
     """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
 
+    def forward_qkv(self, qkv, cos, sin, layer_id, meta):
+        return None  # not fused: the layer applies RoPE and calls forward
+
     def forward(self, q, k, v, layer_id, meta):
         group = q.shape[1] // k.shape[1]
         return (q + (k * v).repeat_interleave(group, dim=1)).flatten(1)
