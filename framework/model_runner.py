@@ -223,18 +223,27 @@ class ModelRunner:
         return full_guards()
 
 
+def dummy_inputs(num_reqs: int, q_len: int, dummy_len: int, device: torch.device) -> list[torch.Tensor]:
+    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens) of ``num_reqs`` dummy requests: each has
+    ``q_len`` tokens at positions 0.. in the reserved KV slot and req row, and ``dummy_len`` keys, all its own."""
+    tokens = torch.zeros(num_reqs * q_len, dtype=torch.int64, device=device)
+    return [tokens, torch.arange(q_len, device=device).repeat(num_reqs), torch.full_like(tokens, DUMMY_SLOT),
+            torch.full((num_reqs,), DUMMY_ROW, dtype=torch.int64, device=device),
+            torch.full((num_reqs,), dummy_len, dtype=torch.int64, device=device)]
+
+
+def int_inputs(batch: ForwardBatch) -> list[torch.Tensor]:
+    """The batch's integer graph inputs, in :func:`dummy_inputs`' order."""
+    return [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
+
+
 def pad_fresh(batch: ForwardBatch, extra: int, dummy_len: int) -> tuple[torch.Tensor, ...]:
     """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index) of ``batch`` with ``extra``
-    dummy requests appended, as new tensors. A dummy request (reserved req row and KV slot) has ``q_len`` tokens
-    at positions 0.. and ``dummy_len`` keys, all its own."""
-    q, dev = batch.q_len, batch.input_ids.device
-    dummy_tokens = torch.zeros(extra * q, dtype=torch.int64, device=dev)
-    return (torch.cat([batch.input_ids, dummy_tokens]),
-            torch.cat([batch.positions, torch.arange(q, device=dev).repeat(extra)]),
-            torch.cat([batch.out_cache_loc, torch.full_like(dummy_tokens, DUMMY_SLOT)]),
-            torch.cat([batch.req_pool_indices, torch.full((extra,), DUMMY_ROW, dtype=torch.int64, device=dev)]),
-            torch.cat([batch.seq_lens, torch.full((extra,), dummy_len, dtype=torch.int64, device=dev)]),
-            torch.arange((batch.bs + extra) * q, device=dev))
+    dummy requests appended, as new tensors."""
+    dev = batch.input_ids.device
+    dummies = dummy_inputs(extra, batch.q_len, dummy_len, dev)
+    return (*(torch.cat([real, dummy]) for real, dummy in zip(int_inputs(batch), dummies)),
+            torch.arange((batch.bs + extra) * batch.q_len, device=dev))
 
 
 class StaticInputs:
@@ -246,30 +255,23 @@ class StaticInputs:
     """
 
     def __init__(self, padded_bs: int, q_len: int, device: torch.device) -> None:
-        n = padded_bs * q_len
-        self.q_len = q_len
-        zeros = torch.zeros(n, dtype=torch.int64, device=device)
-        # input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: the graph's buffers and the dummy values
-        self.buffers = [torch.zeros_like(zeros) for _ in range(3)] + [
-            torch.zeros(padded_bs, dtype=torch.int64, device=device) for _ in range(2)]
-        self.dummy = [zeros, torch.arange(q_len, device=device).repeat(padded_bs),
-                      torch.full_like(zeros, DUMMY_SLOT),
-                      torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=device)]
-        self.dummy_seq_lens: dict[int, torch.Tensor] = {}
-        self.logits_index = torch.arange(n, device=device)
+        self.padded_bs, self.q_len, self.device = padded_bs, q_len, device
+        self.dummies: dict[int, list[torch.Tensor]] = {}  # dummy_len -> dummy_inputs for the whole padded batch
+        self.buffers = [torch.zeros_like(t) for t in dummy_inputs(padded_bs, q_len, 0, device)]
+        self.logits_index = torch.arange(padded_bs * q_len, device=device)
         for t in [*self.buffers, self.logits_index]:
             torch._dynamo.mark_static_address(t, guard=False)
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def fill(self, batch: ForwardBatch, dummy_len: int) -> tuple[torch.Tensor, ...]:
-        if dummy_len not in self.dummy_seq_lens:
-            self.dummy_seq_lens[dummy_len] = torch.full_like(self.buffers[4], dummy_len)
+        if dummy_len not in self.dummies:
+            self.dummies[dummy_len] = dummy_inputs(self.padded_bs, self.q_len, dummy_len, self.device)
         n, bs = batch.input_ids.shape[0], batch.bs
-        src = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
+        src = int_inputs(batch)
         cut = [n, n, n, bs, bs]
         dst = [buf[:c] for buf, c in zip(self.buffers, cut)]
-        if bs < self.buffers[3].shape[0]:
+        if bs < self.padded_bs:
             dst += [buf[c:] for buf, c in zip(self.buffers, cut)]
-            src += [d[c:] for d, c in zip([*self.dummy, self.dummy_seq_lens[dummy_len]], cut)]
+            src += [d[c:] for d, c in zip(self.dummies[dummy_len], cut)]
         torch._foreach_copy_(dst, src)
         return (*self.buffers, self.logits_index)

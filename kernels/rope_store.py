@@ -93,8 +93,9 @@ def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     return q
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[n, heads, head_dim]``; cos / sin ``[n, 1, head_dim // 2]``: rotate-half, float32, rounded to x's dtype."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[num_tokens, heads, head_dim]``; cos/sin ``[num_tokens, 1, head_dim // 2]`` (rotate-half layout): float32
+    math, rounded to x's dtype. The model's RoPE (framework/models/llama.py) and this op's reference."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -106,8 +107,8 @@ def rope_store_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     n = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos, sin = cos[:, None], sin[:, None]  # [n, 1, head_dim // 2]
-    q = _rope(q.view(n, num_heads, head_dim), cos, sin)  # [n, heads, head_dim]
-    k = _rope(k.view(n, num_kv_heads, head_dim), cos, sin)  # [n, kv_heads, head_dim]
+    q = apply_rope(q.view(n, num_heads, head_dim), cos, sin)  # [n, heads, head_dim]
+    k = apply_rope(k.view(n, num_kv_heads, head_dim), cos, sin)  # [n, kv_heads, head_dim]
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.view(n, num_kv_heads, head_dim).to(v_cache.dtype))
     return q.contiguous()

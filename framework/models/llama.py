@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels.gemv import gemv
+from kernels.rope_store import apply_rope  # noqa: F401  (the model's RoPE, beside the fused op)
 
 
 @dataclass
@@ -62,12 +63,6 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     elif kind not in ("default", None):
         raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3, factors")
     return inv_freq.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[num_tokens, heads, head_dim]``; cos/sin ``[num_tokens, 1, head_dim // 2]`` (rotate-half layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
