@@ -154,14 +154,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chain-only", action="store_true")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="weights to sweep")
+    ap.add_argument("--no-chain", action="store_true", help="skip the 32-layer chain")
     args = ap.parse_args()
+    for name in set(SHAPES) - set(args.shapes):
+        del SHAPES[name]
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     copy_gbs = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     for rows in args.rows:
         if not args.chain_only:
             sweep(rows, args)
-        chain(rows, args.layers, copy_gbs)
+        if not args.no_chain:
+            chain(rows, args.layers, copy_gbs)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     ap.add_argument("--targets", nargs="+", type=int, default=[2, 4, 8], help="programs per SM (best launch only)")
     ap.add_argument("--min-split-lens", nargs="+", type=int, default=[128], help="(best launch only)")
+    ap.add_argument("--sweep-at", nargs=2, type=int, default=[4, 128], metavar=("TARGET", "MIN_SPLIT"),
+                    help="programs per SM and shortest split while sweeping the launches")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in c.split("x")) for c in args.configs]
@@ -75,7 +77,7 @@ def main() -> None:
         return out
 
     for bs, context in shapes if len(launches) > 1 else []:
-        r = run_shape(bs, context, {"decode": launches, "multi": launches}, 4)
+        r = run_shape(bs, context, {"decode": launches, "multi": launches}, *args.sweep_at)
         for (mode, cfg), us in r.items():
             results[mode].setdefault(cfg, {})[(bs, context)] = us
         print(f"{bs}x{context}: " + ", ".join(f"{m[0]}{c}={us:.1f}" for (m, c), us in sorted(r.items())), flush=True)

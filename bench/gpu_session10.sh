@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-11-30 (fifth session). Usage: bash bench/gpu_session10.sh a|b|...
+#   a: split policy and tile size at short contexts (1 x 1k), and the gemv launch sweep for the small weights
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ "${1:-a}" = a ]; then
+  for bn in 32 64 128; do
+    timeout 100 python3 bench/tune_split_kv.py --configs 1x1024 1x4096 32x4096 --block-n $bn --warps 4 --stages 2 \
+      --targets 4 8 --min-split-lens 32 64 128 2>&1 | grep -v DEBUG > "$OUT/tune_split_short_bn$bn.log"
+    echo "BLOCK_N $bn"; tail -19 "$OUT/tune_split_short_bn$bn.log"
+  done
+  timeout 60 python3 bench/tune_split_kv.py --configs 1x1024 --block-n 32 64 --warps 2 4 --stages 1 2 3 --targets 8 \
+    --min-split-lens 32 --sweep-at 8 32 2>&1 | grep -v DEBUG > "$OUT/tune_split_1k_launch.log"; tail -22 "$OUT/tune_split_1k_launch.log"
+  timeout 240 python3 bench/tune_gemv.py --rows 1 --shapes qkv o down --no-chain --block-n 2 4 8 16 \
+    --block-k 512 1024 2048 --warps 4 8 --stages 3 4 --top 12 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_small.log"
+  tail -16 "$OUT/tune_gemv_small.log"
+fi
