@@ -17,3 +17,14 @@ if [ "${1:-a}" = a ]; then
     --block-k 512 1024 2048 --warps 4 8 --stages 3 4 --top 12 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_small.log"
   tail -16 "$OUT/tune_gemv_small.log"
 fi
+#   b: decode launch at every shape with short splits; gemv sweep with the layer's fusions; L2-hot gemv
+if [ "${1:-a}" = b ]; then
+  timeout 200 python3 bench/tune_split_kv.py --configs 1x1024 1x4096 1x32768 8x4096 32x4096 64x32768 \
+    --block-n 32 64 128 --warps 4 --stages 1 2 --sweep-at 4 32 --targets 4 --min-split-lens 32 2>&1 | grep -v DEBUG \
+    > "$OUT/tune_split_all.log"; tail -30 "$OUT/tune_split_all.log"
+  timeout 240 python3 bench/tune_gemv.py --rows 1 --fused --shapes qkv o gate_up down --no-chain --block-n 2 4 8 16 \
+    --block-k 256 512 1024 2048 --warps 4 8 --stages 3 --top 10 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_fused.log"
+  tail -14 "$OUT/tune_gemv_fused.log"
+  timeout 60 python3 bench/tune_gemv.py --rows 1 --hot --shapes qkv o --no-chain --block-n 2 16 --block-k 1024 \
+    --warps 4 --stages 3 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_hot.log"; tail -6 "$OUT/tune_gemv_hot.log"
+fi

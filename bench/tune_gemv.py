@@ -32,6 +32,9 @@ from bench_attention import copy_bandwidth  # noqa: E402
 from kernels.gemv import gemv_reference, launch_gemv  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
+# what the decoder layer fuses into each product: (RMSNorm prologue, residual epilogue, SiLU-mul prologue)
+FUSION = {"qkv": (True, False, False), "o": (False, True, False), "gate_up": (True, False, False),
+          "down": (False, True, True), "lm_head": (True, False, False)}
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
           "lm_head": (VOCAB, HIDDEN)}
 
@@ -66,10 +69,19 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     copies = {name: max(2, (2 << 30) // (n * k * 2)) for name, (n, k) in SHAPES.items()}
     weights = {name: [torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()
-                      for _ in range(copies[name])] for name, (n, k) in SHAPES.items()}
-    xs = {name: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for name, (n, k) in SHAPES.items()}
+                      for _ in range(1 if args.hot else copies[name])] for name, (n, k) in SHAPES.items()}
+    if args.hot:  # --hot: every call reads the same copy (as far as it fits, from L2)
+        weights = {name: ws * copies[name] for name, ws in weights.items()}
+    # --fused: each weight with what the decoder layer fuses into its product (RMSNorm / residual / SiLU-mul)
+    fusion = {name: FUSION[name] if args.fused else (False, False, False) for name in SHAPES}
+    xs = {name: torch.randn(rows, k * (2 if fusion[name][2] else 1), generator=gen, device="cuda").bfloat16()
+          for name, (n, k) in SHAPES.items()}
+    extra = {name: (torch.randn(rows, n, generator=gen, device="cuda").bfloat16() if fusion[name][1] else None,
+                    torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5 if fusion[name][0] else None,
+                    1e-5, fusion[name][2]) for name, (n, k) in SHAPES.items()}
     gbs = lambda name, ms: SHAPES[name][0] * SHAPES[name][1] * 2 / ms / 1e6  # noqa: E731
-    cublas = {name: graph_ms([lambda w=w, x=xs[name]: F.linear(x, w) for w in ws]) for name, ws in weights.items()}
+    cublas = {name: graph_ms([lambda w=w, x=xs[name]: F.linear(x, w) for w in ws]) for name, ws in weights.items()
+              if not args.fused}
     block_ns = [b for b in args.block_n if rows == 1 or b >= 16]
     table = {}
     for launch in itertools.product(block_ns, args.block_k, args.warps, args.stages):
@@ -78,9 +90,10 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
         times = {}
         try:
             for name, ws in weights.items():
-                out = launch_gemv(xs[name], ws[0], None, None, 0.0, False, launch)
-                torch.testing.assert_close(out.float(), F.linear(xs[name], ws[0]).float(), atol=2e-2, rtol=2e-2)
-                times[name] = graph_ms([lambda w=w, x=xs[name]: launch_gemv(x, w, None, None, 0.0, False, launch)
+                out = launch_gemv(xs[name], ws[0], *extra[name], launch)
+                ref = gemv_reference(xs[name], ws[0], *extra[name])
+                torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+                times[name] = graph_ms([lambda w=w, x=xs[name], e=extra[name]: launch_gemv(x, w, *e, launch)
                                         for w in ws])
         except Exception as e:  # noqa: BLE001 (out of resources: report and go on)
             print(f"{launch}: {type(e).__name__}: {str(e)[:80]}")
@@ -90,8 +103,9 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
     best = {name: min(t[name] for t in table.values()) for name in SHAPES}
     print(f"\nrows={rows}: GB/s per shape (weight bytes / median time per call, calls back to back in a CUDA graph)")
     print(f"{'launch (BN, BK, warps, stages)':>32} | " + " ".join(f"{n:>8}" for n in SHAPES) + " | worst/best")
-    print(f"{'cuBLAS':>32} | " + " ".join(f"{gbs(n, cublas[n]):>8.0f}" for n in SHAPES) + " | "
-          f"{max(cublas[n] / best[n] for n in SHAPES):.3f}")
+    if cublas:
+        print(f"{'cuBLAS':>32} | " + " ".join(f"{gbs(n, cublas[n]):>8.0f}" for n in SHAPES) + " | "
+              f"{max(cublas[n] / best[n] for n in SHAPES):.3f}")
     ranked = sorted(table.items(), key=lambda kv: max(kv[1][n] / best[n] for n in SHAPES))
     for launch, t in ranked[: args.top]:
         print(f"{str(launch):>32} | " + " ".join(f"{gbs(n, t[n]):>8.0f}" for n in SHAPES) + " | "
@@ -156,6 +170,8 @@ def main() -> None:
     ap.add_argument("--chain-only", action="store_true")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="weights to sweep")
     ap.add_argument("--no-chain", action="store_true", help="skip the 32-layer chain")
+    ap.add_argument("--hot", action="store_true", help="one copy of each weight, read again by every call")
+    ap.add_argument("--fused", action="store_true", help="sweep each weight with the layer's fusion (no cuBLAS row)")
     args = ap.parse_args()
     for name in set(SHAPES) - set(args.shapes):
         del SHAPES[name]
