@@ -28,3 +28,15 @@ if [ "${1:-a}" = b ]; then
   timeout 60 python3 bench/tune_gemv.py --rows 1 --hot --shapes qkv o --no-chain --block-n 2 16 --block-k 1024 \
     --warps 4 --stages 3 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_hot.log"; tail -6 "$OUT/tune_gemv_hot.log"
 fi
+#   c: L2 prefetch probe; gemv A/B for gate_up, down, lm_head with fusions; attention kernels' GPU tests and table
+#      with the batch-dependent launch
+if [ "${1:-a}" = c ]; then
+  timeout 90 python3 bench/probe_l2_prefetch.py 2>&1 | grep -v DEBUG > "$OUT/probe_l2.log"; tail -12 "$OUT/probe_l2.log"
+  timeout 150 python3 bench/tune_gemv.py --rows 1 --fused --shapes gate_up down lm_head --no-chain --block-n 2 8 16 \
+    --block-k 256 1024 --warps 4 --stages 3 --top 8 2>&1 | grep -v DEBUG > "$OUT/tune_gemv_ab.log"
+  tail -11 "$OUT/tune_gemv_ab.log"
+  timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_attention.py \
+    > "$OUT/gpu_attention_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention_tests.log" | tail -8
+  timeout 200 python3 bench/bench_attention.py 2>&1 | grep -v DEBUG > "$OUT/bench_attention.log"
+  tail -12 "$OUT/bench_attention.log"
+fi

@@ -62,7 +62,7 @@ def main() -> None:
         out = {}
         for mode, launch in modes_launch.items():
             for cfg in launch:
-                skv.CUDA_LAUNCH[mode] = cfg
+                skv.CUDA_LAUNCH[mode] = skv.CUDA_LAUNCH[f"{mode}_small"] = cfg  # one launch at every batch
                 if mode == "decode":
                     fn = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq,  # noqa: E731
                                                                 ba.SCALE, *pol)
