@@ -40,3 +40,12 @@ if [ "${1:-a}" = c ]; then
   timeout 200 python3 bench/bench_attention.py 2>&1 | grep -v DEBUG > "$OUT/bench_attention.log"
   tail -12 "$OUT/bench_attention.log"
 fi
+#   d: the 8B decode step with the new launches (attention by batch, down's gemv), then the GPU tests
+if [ "${1:-a}" = d ]; then
+  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_d.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_d.log"; grep -A13 "^one forward" "$OUT/profile_8b_d.log"
+  timeout 260 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_gpu.py \
+    tests/test_kernels_gemv.py > "$OUT/gpu_tests_d.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_d.log" | tail -30
+fi

@@ -31,10 +31,11 @@ MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to t
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
 # `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv, o,
-# down and lm_head; gate_up shares lm_head's (its best there was (16, 256, 4, 4); in the model it reads 3990 GB/s).
+# and lm_head; gate_up shares lm_head's (its best there was (16, 256, 4, 4); with its RMSNorm fused in, (16, 256,
+# 4, 3) is the best of `--fused`); down from `--fused` (SiLU-mul and residual fused in, as in the model).
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
 CUDA_LAUNCH = {
-    "tall": (16, 1024, 4, 3),  # k > n: the MLP's down projection
+    "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection
     "square": (16, 1024, 4, 4),  # n == k, small: o_proj
     "wide": (8, 512, 4, 3),  # k < n < 4k: qkv
     "very_wide": (16, 256, 4, 3),  # n >= 4k: gate_up, lm_head
