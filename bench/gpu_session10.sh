@@ -49,3 +49,14 @@ if [ "${1:-a}" = d ]; then
     tests/test_kernels_gemv.py > "$OUT/gpu_tests_d.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_d.log" | tail -30
 fi
+#   e: rope tables read by position inside tfs::rope_store_kv (no per-layer gather kernels): its GPU tests, the 8B
+#      step, tests/test_gpu.py
+if [ "${1:-a}" = e ]; then
+  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_rope_store.py \
+    > "$OUT/gpu_rope_tests_e.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|^E " "$OUT/gpu_rope_tests_e.log" | tail -8
+  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_e.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_e.log"; grep -A13 "^one forward" "$OUT/profile_8b_e.log"
+  timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_gpu.py > "$OUT/gpu_tests_e.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_e.log" | tail -14
+fi

@@ -1,12 +1,16 @@
 """``tfs::rope_store_kv``: RoPE on q and k plus the KV-cache store of one decoder layer, in one kernel.
 
-Replaces three launches per layer (RoPE on q, RoPE on k, ``tfs::store_kv``). Each program takes one token and one
+Replaces three launches per layer (RoPE on q, RoPE on k, ``tfs::store_kv``) and the per-layer gathers of cos / sin
+(the kernel reads the rope tables at each token's position itself: given gathered cos / sin, inductor recomputes the
+gather next to each layer's call, two small kernels per layer). Each program takes one token and one
 head of the fused qkv projection: a q head is rotated into the returned ``q``, a k head is rotated and written to
 its slot of ``k_cache``, a v head is copied to its slot of ``v_cache``. The rounding follows the unfused torch code:
 rotation in float32, rounded to qkv's dtype, and only then (k) cast to the cache's dtype.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,7 +22,7 @@ from kernels.dispatch import register_cpu_reference, use_triton
 
 @triton.jit
 def _rope_store_kv_kernel(
-    QKV, Cos, Sin, K_cache, V_cache, Slots, Q_out,
+    QKV, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out,
     stride_qkv, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -31,8 +35,9 @@ def _rope_store_kv_kernel(
     x1 = tl.load(src, mask=ok)  # [BLOCK] first half of the head
     x2 = tl.load(src + HALF, mask=ok)  # [BLOCK] second half
     if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to qkv's dtype
-        c = tl.load(Cos + i * stride_cos + d, mask=ok).to(tl.float32)
-        s = tl.load(Sin + i * stride_sin + d, mask=ok).to(tl.float32)
+        pos = tl.load(Positions + i).to(tl.int64)
+        c = tl.load(Cos + pos * stride_cos + d, mask=ok).to(tl.float32)
+        s = tl.load(Sin + pos * stride_sin + d, mask=ok).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         r1 = (a * c - b * s).to(QKV.dtype.element_ty)
         r2 = (b * c + a * s).to(QKV.dtype.element_ty)
@@ -52,9 +57,9 @@ def _rope_store_kv_kernel(
         tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
 
 
-def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> None:
+def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> None:
     n, width = qkv.shape
     half = head_dim // 2
     torch._check(head_dim % 2 == 0, lambda: f"tfs::rope_store_kv: head_dim {head_dim} must be even")
@@ -62,8 +67,11 @@ def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                  lambda: f"tfs::rope_store_kv: qkv {tuple(qkv.shape)} vs heads {num_heads}+2*{num_kv_heads} "
                          f"of {head_dim}, unit inner stride")
     for name, t in (("cos", cos), ("sin", sin)):
-        torch._check(t.shape == (n, half) and t.stride(-1) == 1,
-                     lambda: f"tfs::rope_store_kv: {name} {tuple(t.shape)} must be [n, head_dim // 2] = {(n, half)}")
+        torch._check(t.dim() == 2 and t.shape[1] == half and t.stride(-1) == 1,
+                     lambda: f"tfs::rope_store_kv: {name} table {tuple(t.shape)} must be [max_pos, head_dim // 2 = "
+                             f"{half}], unit inner stride")
+    torch._check(positions.shape == (n,), lambda: f"tfs::rope_store_kv: positions {tuple(positions.shape)} must be "
+                                                  f"[{n}]")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         torch._check(t.dim() == 3 and t.shape[1:] == (num_kv_heads, head_dim) and t.stride(-1) == 1,
                      lambda: f"tfs::rope_store_kv: {name} {tuple(t.shape)} must be [slots, {num_kv_heads}, "
@@ -72,19 +80,20 @@ def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 
 @triton_op("tfs::rope_store_kv", mutates_args=("k_cache", "v_cache"))
-def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int) -> torch.Tensor:
-    """qkv ``[n, (heads + 2 * kv_heads) * head_dim]`` (unit inner stride, any row stride); cos / sin
-    ``[n, head_dim // 2]`` (token i's position, unit inner stride); k_cache / v_cache ``[num_slots, kv_heads,
-    head_dim]`` (written at ``slots``); slots ``[n]`` int64 -> q ``[n, heads, head_dim]`` in qkv's dtype."""
-    _check_inputs(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """qkv ``[n, (heads + 2 * kv_heads) * head_dim]`` (unit inner stride, any row stride); cos / sin: the rope
+    tables ``[max_pos, head_dim // 2]`` (unit inner stride), read at ``positions`` ``[n]``; k_cache / v_cache
+    ``[num_slots, kv_heads, head_dim]`` (written at ``slots``); slots ``[n]`` int64 -> q ``[n, heads, head_dim]``
+    in qkv's dtype."""
+    _check_inputs(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
     block = triton.next_power_of_2(half)
     wrap_triton(_rope_store_kv_kernel)[(n, num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, k_cache, v_cache, slots, q,
+        qkv, cos, sin, positions, k_cache, v_cache, slots, q,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK=block,
@@ -100,13 +109,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def rope_store_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                            head_dim: int) -> torch.Tensor:
+def rope_store_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                            num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Plain torch, as the unfused layer computes it: split, RoPE q and k, ``index_copy_`` k and v."""
     n = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    cos, sin = cos[:, None], sin[:, None]  # [n, 1, head_dim // 2]
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # [n, 1, head_dim // 2]
     q = apply_rope(q.view(n, num_heads, head_dim), cos, sin)  # [n, heads, head_dim]
     k = apply_rope(k.view(n, num_kv_heads, head_dim), cos, sin)  # [n, kv_heads, head_dim]
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
@@ -117,9 +126,26 @@ def rope_store_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 register_cpu_reference(rope_store_kv_op, rope_store_kv_reference)
 
 
-def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> torch.Tensor:
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
     fn = torch.ops.tfs.rope_store_kv if use_triton(qkv) else rope_store_kv_reference
-    return fn(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+    return fn(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+
+
+class Rope(NamedTuple):
+    """One forward's RoPE inputs: ``cos`` / ``sin`` ``[n, 1, head_dim // 2]`` at each token's position (what
+    :func:`apply_rope` takes) and the float32 tables ``[max_pos, head_dim // 2]`` with ``positions`` ``[n]`` (what
+    ``tfs::rope_store_kv`` takes: it gathers inside the kernel)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    positions: torch.Tensor
+
+
+def rope_at(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> Rope:
+    """The :class:`Rope` of tokens at ``positions`` from the model's tables."""
+    return Rope(cos_table[positions][:, None, :], sin_table[positions][:, None, :], cos_table, sin_table, positions)

@@ -50,7 +50,7 @@ def test_gemv_interpreted(rows: int, n: int, k: int, fusion: str) -> None:
 class _StubAttention:
     """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
 
-    def forward_qkv(self, qkv, cos, sin, layer_id, meta):
+    def forward_qkv(self, qkv, rope, layer_id, meta):
         return None  # not fused: the layer applies RoPE and calls forward
 
     def forward(self, q, k, v, layer_id, meta):
@@ -64,6 +64,7 @@ def test_fused_decoder_layer_equals_unfused_interpreted(rows: int) -> None:
     """DecoderLayer.forward(fused=True) (four tfs::gemv calls with norm / SiLU-mul / residual folded in) computes
     what the unfused layer computes, on a tiny Llama layer with GQA."""
     from framework.models.llama import DecoderLayer, LlamaArgs
+    from kernels.rope_store import rope_at
 
     torch.manual_seed(rows)
     args = LlamaArgs(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -74,10 +75,11 @@ def test_fused_decoder_layer_equals_unfused_interpreted(rows: int) -> None:
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
     layer.self_attn.backend = _StubAttention()
     x = torch.randn(rows, 64)
-    angles = torch.rand(rows, 1, 8) * 3
+    angles = torch.rand(40, 8) * 3  # a rope table [max_pos, head_dim // 2]
+    rope = rope_at(angles.cos(), angles.sin(), torch.randint(0, 40, (rows,)))
     with torch.no_grad():
-        fused = layer(x, angles.cos(), angles.sin(), None, fused=True)
-        unfused = layer(x, angles.cos(), angles.sin(), None)
+        fused = layer(x, rope, None, fused=True)
+        unfused = layer(x, rope, None)
     torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
 
 

@@ -37,10 +37,9 @@ class AttentionBackend:
         -> ``[num_tokens, num_heads * head_dim]``."""
         raise NotImplementedError
 
-    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                    meta: Any) -> Optional[torch.Tensor]:
+    def forward_qkv(self, qkv: torch.Tensor, rope: Any, layer: int, meta: Any) -> Optional[torch.Tensor]:
         """A backend that fuses RoPE and the K/V store takes the raw projection here: qkv ``[n, (heads + 2 *
-        kv_heads) * head_dim]``, cos / sin ``[n, 1, head_dim // 2]`` float32 -> ``[n, heads * head_dim]``. None:
+        kv_heads) * head_dim]``, rope a :class:`kernels.rope_store.Rope` -> ``[n, heads * head_dim]``. None:
         not fused, the model applies RoPE and calls :meth:`forward`."""
         return None
 

@@ -15,7 +15,7 @@ depend only on (mode, padded_bs, q_len) (and the custom mask's width), so compil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -105,12 +105,12 @@ class TritonBackend(AttentionBackend):
             dims += [(meta.custom_mask, 0), (meta.custom_mask, 2)]
         return dims
 
-    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                    meta: TritonMetadata) -> torch.Tensor:
-        """RoPE and the K/V store in one kernel (``tfs::rope_store_kv``), then attention."""
+    def forward_qkv(self, qkv: torch.Tensor, rope: Any, layer: int, meta: TritonMetadata) -> torch.Tensor:
+        """RoPE (read from the tables at each token's position) and the K/V store in one kernel
+        (``tfs::rope_store_kv``), then attention."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
-        q = self._rope_store(qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, meta.out_cache_loc, self.num_heads,
-                             self.num_kv_heads, self.head_dim)  # [n, heads, head_dim]
+        q = self._rope_store(qkv, rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
+                             meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim)  # [n, heads, dim]
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

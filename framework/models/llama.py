@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels.gemv import gemv
-from kernels.rope_store import apply_rope  # noqa: F401  (the model's RoPE, beside the fused op)
+from kernels.rope_store import Rope, apply_rope, rope_at  # noqa: F401  (apply_rope: also imported from here)
 
 
 @dataclass
@@ -88,18 +88,18 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.backend: Any = None  # set by the model runner
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, meta))
+    def forward(self, x: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
+        return self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
-        fused = self.backend.forward_qkv(qkv, cos, sin, self.layer_id, meta)
+        fused = self.backend.forward_qkv(qkv, rope, self.layer_id, meta)
         if fused is not None:
             return fused
         n = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, heads, head_dim]
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, kv_heads, head_dim]
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), rope.cos, rope.sin)  # [n, heads, head_dim]
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)  # [n, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         return self.backend.forward(q, k, v, self.layer_id, meta)
 
@@ -123,18 +123,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
-                fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
             qkv = gemv(x, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
-            x = gemv(attn.attend(qkv, cos, sin, meta), attn.o_proj.weight, residual=x)
+            x = gemv(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x)
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps)
             return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,15 +172,14 @@ class LlamaForCausalLM(nn.Module):
         """Returns logits ``[m, vocab]`` (float32) of the rows ``logits_index`` and the final-norm hidden states
         ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
         x = self.embed_tokens(input_ids)  # [n, hidden]
-        cos = self.rope_cos[positions][:, None, :]  # [n, 1, head_dim // 2]
-        sin = self.rope_sin[positions][:, None, :]
+        rope = rope_at(self.rope_cos, self.rope_sin, positions)
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
         # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
         # launch per linear would cost more than cuBLAS's (and under TRITON_INTERPRET=1 every linear would run in
         # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
         fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
         for layer in layers:
-            x = layer(x, cos, sin, meta, fused)
+            x = layer(x, rope, meta, fused)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
         logits = gemv(rows, self.lm_head.weight) if fused else self.lm_head(rows)

@@ -23,6 +23,7 @@ from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
 from framework.speculative.model_drafter import ModelDrafter
+from kernels.rope_store import rope_at
 
 
 class EagleHead(nn.Module):
@@ -50,9 +51,7 @@ class EagleHead(nn.Module):
                 hidden_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         target = self.target[0]
         x = self.fc(torch.cat([target.embed_tokens(input_ids), hidden_in.to(self.dtype)], dim=-1))  # [n, hidden]
-        cos = target.rope_cos[positions][:, None, :]
-        sin = target.rope_sin[positions][:, None, :]
-        hidden = self.norm(self.layer(x, cos, sin, meta))  # [n, hidden]
+        hidden = self.norm(self.layer(x, rope_at(target.rope_cos, target.rope_sin, positions), meta))  # [n, hidden]
         return target.lm_head(hidden[logits_index]).float(), hidden
 
 
