@@ -60,3 +60,16 @@ if [ "${1:-a}" = e ]; then
   timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_gpu.py > "$OUT/gpu_tests_e.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_e.log" | tail -14
 fi
+#   f: before / after the in-kernel rope gather in one lease (prev/ = `git archive HEAD~1 kernels framework bench
+#      conf`), then the SmolLM2-shaped fused-decode test
+if [ "${1:-a}" = f ]; then
+  for tree in prev .; do
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 140 python3 bench/profile_gpu_decode.py --model llama3_8b_random \
+      --batch 1 --context 1024 --timeline 0 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+      | grep -v DEBUG > "$OUT/profile_8b_f_$(basename $(realpath $tree)).log")
+    echo "$tree"; grep -A6 "^forward wall" "$OUT/profile_8b_f_$(basename $(realpath $tree)).log"
+  done
+  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short \
+    "tests/test_kernels_gemv.py::test_fused_decode_same_tokens_as_unfused" > "$OUT/gpu_fused_f.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_fused_f.log" | tail -8
+fi
