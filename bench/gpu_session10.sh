@@ -63,6 +63,7 @@ fi
 #   f: before / after the in-kernel rope gather in one lease (prev/ = `git archive HEAD~1 kernels framework bench
 #      conf`), then the SmolLM2-shaped fused-decode test
 if [ "${1:-a}" = f ]; then
+  [ -d prev ] || { echo "prev/ missing: mkdir prev && git archive HEAD~1 kernels framework bench conf | tar -x -C prev"; exit 1; }
   for tree in prev .; do
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 140 python3 bench/profile_gpu_decode.py --model llama3_8b_random \
       --batch 1 --context 1024 --timeline 0 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \

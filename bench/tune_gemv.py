@@ -2,6 +2,7 @@
 
     python bench/tune_gemv.py                  # sweep at 1 and 8 rows, then the 32-layer chain
     python bench/tune_gemv.py --rows 1 --chain-only
+    python bench/tune_gemv.py --rows 1 --fused --shapes down --no-chain   # down with SiLU-mul + residual fused in
 
 (1) For each (BLOCK_N, BLOCK_K, num_warps, num_stages), every shape's output is checked against ``F.linear`` and
 timed with ``triton.testing.do_bench`` (median, L2 flushed between runs); cuBLAS (``F.linear``) is timed the same
@@ -65,7 +66,8 @@ def graph_ms(calls: list[Callable[[], object]]) -> float:
 
 
 def sweep(rows: int, args: argparse.Namespace) -> None:
-    """Each shape timed over enough distinct copies of its weight (>= 2 GB) that nothing is served from L2."""
+    """Each shape timed over enough distinct copies of its weight (>= 2 GB) that nothing is served from L2 (with
+    ``--hot``, over one copy read again and again); with ``--fused``, with the layer's fusion (``FUSION``)."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     copies = {name: max(2, (2 << 30) // (n * k * 2)) for name, (n, k) in SHAPES.items()}
     weights = {name: [torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()

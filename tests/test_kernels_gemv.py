@@ -160,8 +160,9 @@ def test_gemv_gpu_compiled_with_cuda_graphs() -> None:
 @pytest.mark.parametrize("model", ["tiny_llama", "smollm2_135m_random"])
 def test_fused_decode_same_tokens_as_unfused(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled (CUDA graphs) greedy decoding with model.fused_decode=true against false: identical tokens for
-    tiny_llama in float32; for SmolLM2-shaped bf16 (8 layers), identical for at least the first 8 steps (the fused kernels sum
-    in another order, and bf16 rounding may flip a late near-tie), like the attention backends' bf16 test."""
+    tiny_llama in float32; for SmolLM2-shaped bf16 (8 layers), identical for at least the first 8 steps (the fused
+    kernels sum in another order, and bf16 rounding may flip a late near-tie), like the attention backends' bf16
+    test."""
     import kernels.gemv as gemv_module
     from framework import LLM
     from tests.test_attention_backends import BF16_PROMPTS

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels.gemv import gemv
-from kernels.rope_store import Rope, apply_rope, rope_at  # noqa: F401  (apply_rope: also imported from here)
+from kernels.rope_store import Rope, apply_rope, rope_at
 
 
 @dataclass
