@@ -10,6 +10,10 @@ inside one CUDA graph; prints the median time per iteration:
   pf_load+attn+o    a prefetch kernel that loads the lines (evict_last) and stores one sum per program
   attn+o (hot)      every iteration reads one copy (L2-resident: the best case)
   pf_asm, pf_load   the prefetch kernels alone
+and, with the qkv gemv in front (as in a layer: qkv, attention, o):
+  qkv+attn+o        the three kernels in one stream
+  qkv+side(...)     a side stream forked after qkv prefetches o's weight while attention runs in the main stream;
+                    joined after o ("join after o") or before it ("join before o"); programs in the prefetch grid
 """
 
 from __future__ import annotations
@@ -79,7 +83,31 @@ def main() -> None:
     def pf_load(w, programs=2 * sms):
         _prefetch_load[(programs,)](w.view(torch.int32), scratch, n * k // 2, BLOCK=1024, num_warps=4)
 
+    qkvs = [torch.randn(3 * n // 2, k, device=dev).mul_(0.02).bfloat16() for _ in range(copies)]
+    side = torch.cuda.Stream()
+
+    def qkv(i):
+        return launch_gemv(x, qkvs[i], None, None, 0.0, False)
+
+    def layer_side(i, programs, join_before_o):
+        qkv(i)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pf_asm(ws[i], programs)
+        attn()
+        if join_before_o:
+            torch.cuda.current_stream().wait_stream(side)
+        o(ws[i])
+        torch.cuda.current_stream().wait_stream(side)
+
     variants = {
+        "qkv+attn+o": [lambda i=i: (qkv(i), attn(), o(ws[i])) for i in range(copies)],
+        "qkv+o (no attention)": [lambda i=i: (qkv(i), o(ws[i])) for i in range(copies)],
+        "qkv+side(1xSM)+attn+o, join after o": [lambda i=i: layer_side(i, sms, False) for i in range(copies)],
+        "qkv+side(1xSM)+attn+o, join before o": [lambda i=i: layer_side(i, sms, True) for i in range(copies)],
+        "qkv+side(SM/4)+attn+o, join after o": [lambda i=i: layer_side(i, sms // 4, False) for i in range(copies)],
+        "qkv+side(SM/2)+attn+o, join after o": [lambda i=i: layer_side(i, sms // 2, False) for i in range(copies)],
+        "qkv+side(2xSM)+attn+o, join after o": [lambda i=i: layer_side(i, 2 * sms, False) for i in range(copies)],
         "attn": [attn for _ in ws],
         "o": [lambda w=w: o(w) for w in ws],
         "attn+o": [lambda w=w: (attn(), o(w)) for w in ws],
@@ -92,7 +120,7 @@ def main() -> None:
     }
     print(f"{torch.cuda.get_device_name()}: o_proj {n}x{k} bf16 ({n * k * 2 / 1e6:.1f} MB), attention 1 x 1024 keys")
     for name, calls in variants.items():
-        print(f"{name:>22}: {graph_ms(calls) * 1e3:7.2f} us per iteration", flush=True)
+        print(f"{name:>40}: {graph_ms(calls) * 1e3:7.2f} us per iteration", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ around its linears, so that a layer runs in fewer kernels:
 - ``residual``: ``y = residual + x @ w.T`` (the layer's residual stream).
 
 The rounding follows the unfused torch code (the normalised row and the activation are rounded to x's dtype, the
-product to the output dtype before the residual add); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``) accumulates with FMAs; 2-16 rows
-use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights).
+product to the output dtype before the residual add), except that one row's RMSNorm scales the product's float32
+sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``) accumulates with FMAs;
+2-16 rows use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights).
 """
 
 from __future__ import annotations
@@ -30,17 +31,21 @@ from kernels.online_softmax import dot
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
-# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv, o,
-# and lm_head; gate_up shares lm_head's (its best there was (16, 256, 4, 4); with its RMSNorm fused in, (16, 256,
-# 4, 3) is the best of `--fused`); down from `--fused` (SiLU-mul and residual fused in, as in the model).
+# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv and
+# o; gate_up and lm_head (RMSNorm fused in, LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`.
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
 CUDA_LAUNCH = {
     "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection
     "square": (16, 1024, 4, 4),  # n == k, small: o_proj
     "wide": (8, 512, 4, 3),  # k < n < 4k: qkv
-    "very_wide": (16, 256, 4, 3),  # n >= 4k: gate_up, lm_head
+    "very_wide": (8, 1024, 4, 3),  # n >= 4k: gate_up, lm_head
     "rows": (16, 256, 4, 3),
 }
+# One row with RMSNorm: scale by 1/rms(x) after the product, y = ((x * nw) @ w.T) / rms(x), with the sum of squares
+# accumulated in the weight loop, instead of a pass over x before the weight starts streaming. Faster on an H200
+# (qkv 3186 -> 3327 GB/s, gate_up 3939 -> 4104, `bench/tune_gemv.py --fused [--norm-first]`, docs/PERFORMANCE.md);
+# the normalised row is not rounded to x's dtype as the unfused code does.
+LATE_NORM = True
 
 
 @triton.jit
@@ -67,7 +72,7 @@ def _gemv_kernel(
     X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +81,8 @@ def _gemv_kernel(
     m_ok = offs_m < M
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if NORM:  # the RMS of each row of x, before its first use
+    ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    if NORM and not LATE_NORM:  # the RMS of each row of x, before its first use
         ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -96,8 +102,15 @@ def _gemv_kernel(
         else:
             k_ok = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
-                    W.dtype.element_ty)  # [BLOCK_M, BLOCK_K]
+        if LATE_NORM:  # the RMS of x accumulates with the product; 1/rms scales the sums at the end
+            xr = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+            ss_late += xr * xr
+            nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            x = xr * nw[None, :]
+        else:
+            x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
+                        W.dtype.element_ty)  # [BLOCK_M, BLOCK_K]
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -106,6 +119,8 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         out = acc  # [BLOCK_M, BLOCK_N]
+    if LATE_NORM:
+        out = out * tl.rsqrt(tl.sum(ss_late, axis=1) / K + eps)[:, None]
     out = out.to(Y.dtype.element_ty)
     ok = m_ok[:, None] & n_ok[None, :]
     if HAS_RESIDUAL:
@@ -150,7 +165,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         x, w, y, res, nw, m, n, k, eps, x.stride(0), w.stride(0), y.stride(0), res.stride(0),
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
+        num_warps=warps, num_stages=stages,
     )
     return y
 

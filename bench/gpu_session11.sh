@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-11-30 (sixth session). Usage: bash bench/gpu_session11.sh a|b|...
+#   a: side-stream L2 prefetch probe; the SmolLM2-shaped fused-decode GPU test (8 layers)
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ "${1:-a}" = a ]; then
+  timeout 120 python3 bench/probe_l2_prefetch.py 2>&1 | grep -v DEBUG > "$OUT/probe_l2_side.log"
+  tail -20 "$OUT/probe_l2_side.log"
+  timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short \
+    "tests/test_kernels_gemv.py::test_fused_decode_same_tokens_as_unfused" > "$OUT/gpu_fused_decode_a.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_fused_decode_a.log" | tail -12
+fi
+#   b: split-K attention: V loaded with K (early_v) against after the softmax, small-batch launches, at the decode
+#      policy (4 programs per SM) and the verify policy (2 per SM)
+if [ "${1:-a}" = b ]; then
+  for target in 4 2; do
+    timeout 200 python3 bench/tune_split_kv.py --configs 1x1024 1x4096 1x32768 8x4096 32x4096 --block-n 64 128 \
+      --warps 4 --stages 1 2 --early-v 0 1 --sweep-at $target 64 --targets $target --min-split-lens 64 2>&1 \
+      | grep -v DEBUG > "$OUT/tune_split_earlyv_t$target.log"
+    echo "programs per SM $target"; tail -28 "$OUT/tune_split_earlyv_t$target.log"
+  done
+fi
+#   c: partial vs merge kernel time of the attention; gemv with RMSNorm applied after the product (LATE_NORM)
+if [ "${1:-a}" = c ]; then
+  timeout 120 python3 bench/probe_attention_kernels.py 2>&1 | grep -v DEBUG > "$OUT/probe_attention_kernels.log"
+  tail -9 "$OUT/probe_attention_kernels.log"
+  for late in "" --late-norm; do
+    timeout 200 python3 bench/tune_gemv.py --rows 1 --fused --shapes qkv gate_up lm_head --no-chain $late \
+      --block-n 2 4 8 16 --block-k 256 512 1024 --warps 4 --stages 3 --top 6 2>&1 | grep -v DEBUG \
+      > "$OUT/tune_gemv_norm$late.log"
+    echo "late norm: ${late:-no}"; tail -9 "$OUT/tune_gemv_norm$late.log"
+  done
+fi
