@@ -33,3 +33,17 @@ if [ "${1:-a}" = c ]; then
     echo "late norm: ${late:-no}"; tail -9 "$OUT/tune_gemv_norm$late.log"
   done
 fi
+#   d: 8B decode step before / after LATE_NORM in one lease (prev/ = `git archive 664396e kernels framework bench
+#      conf`); a wider launch sweep with LATE_NORM
+if [ "${1:-a}" = d ]; then
+  [ -d prev ] || { echo "prev/ missing: mkdir prev && git archive 664396e kernels framework bench conf | tar -x -C prev"; exit 1; }
+  for tree in prev .; do
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random \
+      --batch 1 --context 1024 --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+      | grep -v DEBUG > "$OUT/profile_8b_d_$(basename $(realpath $tree)).log")
+    echo "$tree"; grep -A6 "^forward wall" "$OUT/profile_8b_d_$(basename $(realpath $tree)).log"
+  done
+  timeout 200 python3 bench/tune_gemv.py --rows 1 --fused --shapes qkv gate_up lm_head --no-chain \
+    --block-n 4 8 16 --block-k 512 1024 2048 --warps 4 8 --stages 3 4 --top 8 2>&1 | grep -v DEBUG \
+    > "$OUT/tune_gemv_late_wide.log"; tail -11 "$OUT/tune_gemv_late_wide.log"
+fi
