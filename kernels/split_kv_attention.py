@@ -138,18 +138,22 @@ def _split_kv_reduce_kernel(
     # grid: (num_tokens, heads)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + token // Q_LEN)
-    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < n_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    # every split's slot is loaded at once with the request's length (one memory round trip, not two); the slots
+    # of splits this request did not use hold stale values and are dropped by the where's below
+    in_buf = s < max_splits
+    seq_len = tl.load(Seq_lens + token // Q_LEN)
+    lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
+    o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=in_buf[:, None] & d_ok[None, :], other=0.0)
+    s_ok = s < _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    lse = tl.where(s_ok, lse, float("-inf"))
+    o = tl.where(s_ok[:, None], o, 0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # [BLOCK_S]
-    o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
