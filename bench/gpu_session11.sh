@@ -47,3 +47,11 @@ if [ "${1:-a}" = d ]; then
     --block-n 4 8 16 --block-k 512 1024 2048 --warps 4 8 --stages 3 4 --top 8 2>&1 | grep -v DEBUG \
     > "$OUT/tune_gemv_late_wide.log"; tail -11 "$OUT/tune_gemv_late_wide.log"
 fi
+#   e: merge with one round trip: attention kernels' times; GPU tests of attention, gemv (LATE_NORM), the model
+if [ "${1:-a}" = e ]; then
+  timeout 90 python3 bench/probe_attention_kernels.py 2>&1 | grep -v DEBUG > "$OUT/probe_attention_kernels_e.log"
+  tail -9 "$OUT/probe_attention_kernels_e.log"
+  timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_attention.py \
+    tests/test_kernels_gemv.py tests/test_gpu.py > "$OUT/gpu_tests_e.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_e.log" | tail -40
+fi
