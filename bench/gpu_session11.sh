@@ -55,3 +55,15 @@ if [ "${1:-a}" = e ]; then
     tests/test_kernels_gemv.py tests/test_gpu.py > "$OUT/gpu_tests_e.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_e.log" | tail -40
 fi
+#   f: the stale-partials test (fixed: a verify's request has at least q_len keys), the 8B step and the attention
+#      table with everything of this session
+if [ "${1:-a}" = f ]; then
+  timeout 60 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short \
+    "tests/test_kernels_attention.py::test_merge_ignores_stale_partials_on_cuda" > "$OUT/gpu_stale_f.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_stale_f.log" | tail -6
+  timeout 160 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_f.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_f.log"; grep -A13 "^one forward" "$OUT/profile_8b_f.log"
+  timeout 220 python3 bench/bench_attention.py 2>&1 | grep -v DEBUG > "$OUT/bench_attention_f.log"
+  tail -12 "$OUT/bench_attention_f.log"
+fi

@@ -274,7 +274,7 @@ def test_merge_ignores_stale_partials_on_cuda(q_len):
     """The merge reads every split's slot of the partial buffers and drops the ones a short request did not use:
     memory the caching allocator hands back full of NaN must not reach the output."""
     torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # freed at once; its block is reused below
-    check_split_kv(**LLAMA, page_size=16, seq_lens=[1, 30, 300, 5000], q_len=q_len, mask_width=None,
+    check_split_kv(**LLAMA, page_size=16, seq_lens=[8, 30, 300, 5000], q_len=q_len, mask_width=None,
                    policy=split_policy(torch.device("cuda"), q_len), **BF16)
 
 
