@@ -67,3 +67,10 @@ if [ "${1:-a}" = f ]; then
   timeout 220 python3 bench/bench_attention.py 2>&1 | grep -v DEBUG > "$OUT/bench_attention_f.log"
   tail -12 "$OUT/bench_attention_f.log"
 fi
+#   g: programmatic dependent launch between the gemvs of a 32-layer chain (with and without an L2 prefetch of the
+#      first weight columns before the wait)
+if [ "${1:-a}" = g ]; then
+  python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
+  timeout 150 python3 bench/tune_gemv.py --rows 1 --chain-only 2>&1 | grep -v DEBUG > "$OUT/chain_pdl.log"
+  tail -12 "$OUT/chain_pdl.log"
+fi

@@ -16,6 +16,7 @@ the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import copy_bandwidth  # noqa: E402
 import kernels.gemv as gemv_module  # noqa: E402
 from kernels.gemv import gemv_reference, launch_gemv  # noqa: E402
+from kernels.pdl import HAS_GDC  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
 # what the decoder layer fuses into each product: (RMSNorm prologue, residual epilogue, SiLU-mul prologue)
@@ -149,7 +151,12 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
 
     ref = gemv_layers(x0, gemv_reference)
     results = {}
-    for name, fn in (("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", gemv_layers)):
+    paths = [("torch (cuBLAS + elementwise)", torch_layers), ("fused tfs::gemv", gemv_layers)]
+    if HAS_GDC and torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch between the gemvs
+        for pf in (0, 512, 2048):  # with the first pf elements of each weight row prefetched before the wait
+            fn = functools.partial(launch_gemv, pdl=True, prefetch_k=pf)
+            paths.append((f"fused tfs::gemv, PDL, prefetch {pf}", lambda x, fn=fn: gemv_layers(x, fn)))
+    for name, fn in paths:
         out = fn(x0)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         results[name] = (graph_ms([lambda fn=fn: fn(x0)]), err)

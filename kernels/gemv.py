@@ -27,6 +27,7 @@ from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
 from kernels.online_softmax import dot
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
@@ -72,9 +73,17 @@ def _gemv_kernel(
     X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr,
+    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
+        if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
+            lines = tl.arange(0, PREFETCH_K // 64) * 64  # one prefetch per 128-byte line of bf16
+            ptrs = W + (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * stride_wn
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + lines[None, :]],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
@@ -142,8 +151,10 @@ def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
-                launch: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it)."""
+                launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
+                prefetch_k: int = 0) -> torch.Tensor:
+    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it; ``pdl``: programmatic
+    dependent launch, eager launches only)."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")
@@ -166,7 +177,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
