@@ -74,7 +74,8 @@ if [ "${1:-a}" = g ]; then
   timeout 150 python3 bench/tune_gemv.py --rows 1 --chain-only 2>&1 | grep -v DEBUG > "$OUT/chain_pdl.log"
   tail -12 "$OUT/chain_pdl.log"
 fi
-#   h: a verify's query rows over several programs (max BLOCK_M 16 / 32 / 64), 4 or 8 warps, small batches
+#   h: a verify's query rows over several programs (max BLOCK_M 16 / 32 / 64), 4 or 8 warps, small batches (needs
+#      commit 9b15788: the option was measured, found no gain and reverted)
 if [ "${1:-a}" = h ]; then
   timeout 200 python3 bench/tune_split_kv.py --configs 1x1024 1x4096 1x32768 8x4096 --block-n 64 128 --warps 4 8 \
     --stages 1 --block-m 16 32 64 --sweep-at 2 64 --targets 2 4 --min-split-lens 64 2>&1 | grep -v DEBUG \

@@ -1,6 +1,6 @@
-"""Sweep the split-K attention kernel's launch parameters on a CUDA GPU: (BLOCK_N, num_warps, num_stages, max
-BLOCK_M) of ``kernels.split_kv_attention.CUDA_LAUNCH`` for decode (1 token per request) and verify (8 tokens, tree
-mask), and the programs-per-SM target of the split policy. Llama-3-8B attention shape, bf16, page_size 16.
+"""Sweep the split-K attention kernel's launch parameters on a CUDA GPU: (BLOCK_N, num_warps, num_stages) of
+``kernels.split_kv_attention.CUDA_LAUNCH`` for decode (1 token per request) and verify (8 tokens, tree mask), and
+the programs-per-SM target of the split policy. Llama-3-8B attention shape, bf16, page_size 16.
 
     python bench/tune_split_kv.py                      # ~3 min on an H200
     python bench/tune_split_kv.py --configs 32x4096 --targets 4
@@ -31,7 +31,6 @@ def main() -> None:
     ap.add_argument("--block-n", nargs="+", type=int, default=[32, 64, 128])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
-    ap.add_argument("--block-m", nargs="+", type=int, default=[64], help="most query rows per program")
     ap.add_argument("--targets", nargs="+", type=int, default=[2, 4, 8], help="programs per SM (best launch only)")
     ap.add_argument("--min-split-lens", nargs="+", type=int, default=[128], help="(best launch only)")
     ap.add_argument("--sweep-at", nargs=2, type=int, default=[4, 128], metavar=("TARGET", "MIN_SPLIT"),
@@ -39,7 +38,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in c.split("x")) for c in args.configs]
-    launches = list(itertools.product(args.block_n, args.warps, args.stages, args.block_m))
+    launches = list(itertools.product(args.block_n, args.warps, args.stages))
     dev = torch.device("cuda")
     results: dict[str, dict] = {"decode": {}, "multi": {}}
 
@@ -88,7 +87,7 @@ def main() -> None:
         per_shape_best = {s: min(t[s] for t in table.values()) for s in shapes}
         ranked = sorted(table.items(), key=lambda kv: max(kv[1][s] / per_shape_best[s] for s in shapes))
         best[mode] = ranked[0][0]
-        print(f"\n{mode}: (BLOCK_N, warps, stages, max BLOCK_M) | " + " | ".join(f"{b}x{c} us" for b, c in shapes) + " | worst/best")
+        print(f"\n{mode}: (BLOCK_N, warps, stages) | " + " | ".join(f"{b}x{c} us" for b, c in shapes) + " | worst/best")
         for cfg, t in ranked[:8]:
             worst = max(t[s] / per_shape_best[s] for s in shapes)
             print(f"{cfg} | " + " | ".join(f"{t[s]:.1f}" for s in shapes) + f" | {worst:.3f}")

@@ -162,31 +162,28 @@ def _split_kv_reduce_kernel(
 # and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
 MIN_SPLIT_LEN = 64
-# (BLOCK_N, num_warps, num_stages, max BLOCK_M) of the partial kernel on CUDA, by tokens per request (1: decode,
-# more: verify / draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency
-# (one key tile or a few per program), where a loop without software pipelining and, for decode, smaller key tiles
-# win; larger batches stream K/V and want the pipelined 128-key tiles. max BLOCK_M caps the query rows (tokens x
-# group) of one program: a verify's rows of one KV head may be spread over several programs. From the same sweep
-# (docs/PERFORMANCE.md). The interpreter uses small tiles.
+# (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
+# draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
+# or a few per program), where a loop without software pipelining and, for decode, smaller key tiles win; larger
+# batches stream K/V and want the pipelined 128-key tiles. From the same sweep (docs/PERFORMANCE.md). The
+# interpreter uses small tiles.
 SMALL_BATCH = 8
-CUDA_LAUNCH = {"decode": (128, 4, 2, 64), "multi": (128, 4, 2, 64), "decode_small": (64, 4, 1, 64),
-               "multi_small": (128, 4, 1, 64)}
-INTERPRET_LAUNCH = (32, 4, 1, 64)
+CUDA_LAUNCH = {"decode": (128, 4, 2), "multi": (128, 4, 2), "decode_small": (64, 4, 1), "multi_small": (128, 4, 1)}
+INTERPRET_LAUNCH = (32, 4, 1)
 
 
-def _launch_config(q: torch.Tensor, q_len: int, bs: int) -> tuple[int, int, int, int]:
+def _launch_config(q: torch.Tensor, q_len: int, bs: int) -> tuple[int, int, int]:
     if not q.is_cuda:
         return INTERPRET_LAUNCH
     mode = "decode" if q_len == 1 else "multi"
     return CUDA_LAUNCH[f"{mode}_small" if bs <= SMALL_BATCH else mode]
 
 
-def _tile_rows(rows: int, max_block_m: int) -> tuple[int, int]:
-    """(BLOCK_M, M_BLOCKS) for ``rows = q_len * group`` query rows per (request, kv head), at most ``max_block_m``
-    (a power of two >= 16) per program."""
-    if rows <= max_block_m:
+def _tile_rows(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, M_BLOCKS) for ``rows = q_len * group`` query rows per (request, kv head)."""
+    if rows <= 64:
         return max(16, triton.next_power_of_2(rows)), 1
-    return max_block_m, triton.cdiv(rows, max_block_m)
+    return 64, triton.cdiv(rows, 64)
 
 
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -199,9 +196,9 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     bs = req_pool_indices.shape[0]
-    block_n, num_warps, num_stages, max_block_m = _launch_config(q, q_len, bs)
-    block_m, m_blocks = _tile_rows(q_len * group, max_block_m)
+    block_m, m_blocks = _tile_rows(q_len * group)
     block_d = max(16, triton.next_power_of_2(dim))
+    block_n, num_warps, num_stages = _launch_config(q, q_len, bs)
     programs_per_split = bs * m_blocks * kv_heads
     # the kernel never uses more splits than fill the device; size the partial buffers by that bound (bs is static)
     max_splits = max(1, min(max_splits, triton.cdiv(target_programs, programs_per_split)))
