@@ -81,3 +81,11 @@ if [ "${1:-a}" = h ]; then
     --stages 1 --block-m 16 32 64 --sweep-at 2 64 --targets 2 4 --min-split-lens 64 2>&1 | grep -v DEBUG \
     > "$OUT/tune_split_block_m.log"; tail -34 "$OUT/tune_split_block_m.log"
 fi
+#   i: the 32-layer chain's error against the reference with RMSNorm before the product (the old kernel) vs after;
+#      gemv GPU tests with the PDL parameters in the kernel (fused-decode cases excluded: lease e ran them)
+if [ "${1:-a}" = i ]; then
+  timeout 60 python3 bench/tune_gemv.py --rows 1 --chain-only --norm-first 2>&1 | grep -v DEBUG > "$OUT/chain_norm_first.log"
+  tail -7 "$OUT/chain_norm_first.log"
+  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_gemv.py -k "not fused_decode" \
+    > "$OUT/gpu_gemv_i.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|^E " "$OUT/gpu_gemv_i.log" | tail -8
+fi
