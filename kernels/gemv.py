@@ -153,8 +153,11 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
                 launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
                 prefetch_k: int = 0) -> torch.Tensor:
-    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it; ``pdl``: programmatic
-    dependent launch, eager launches only)."""
+    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
+
+    ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
+    the program's weight rows. Only for direct launches (bench/tune_gemv.py's chain): inside ``tfs::gemv`` under
+    torch.compile, inductor launches the kernel and cannot pass ``launch_pdl`` (docs/PERFORMANCE.md)."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")
