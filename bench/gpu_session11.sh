@@ -13,7 +13,8 @@ if [ "${1:-a}" = a ]; then
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_fused_decode_a.log" | tail -12
 fi
 #   b: split-K attention: V loaded with K (early_v) against after the softmax, small-batch launches, at the decode
-#      policy (4 programs per SM) and the verify policy (2 per SM)
+#      policy (4 programs per SM) and the verify policy (2 per SM). Ran on a working tree with an EARLY_V launch
+#      option (V's load issued right after K's in _attend_range; tune_split_kv --early-v) that was never committed
 if [ "${1:-a}" = b ]; then
   for target in 4 2; do
     timeout 200 python3 bench/tune_split_kv.py --configs 1x1024 1x4096 1x32768 8x4096 32x4096 --block-n 64 128 \
@@ -22,21 +23,23 @@ if [ "${1:-a}" = b ]; then
     echo "programs per SM $target"; tail -28 "$OUT/tune_split_earlyv_t$target.log"
   done
 fi
-#   c: partial vs merge kernel time of the attention; gemv with RMSNorm applied after the product (LATE_NORM)
+#   c: partial vs merge kernel time of the attention; gemv with RMSNorm applied after the product (LATE_NORM) or
+#      before it (--norm-first; in lease c the code had the opposite flag, --late-norm, and LATE_NORM off)
 if [ "${1:-a}" = c ]; then
   timeout 120 python3 bench/probe_attention_kernels.py 2>&1 | grep -v DEBUG > "$OUT/probe_attention_kernels.log"
   tail -9 "$OUT/probe_attention_kernels.log"
-  for late in "" --late-norm; do
-    timeout 200 python3 bench/tune_gemv.py --rows 1 --fused --shapes qkv gate_up lm_head --no-chain $late \
+  for first in --norm-first ""; do
+    timeout 200 python3 bench/tune_gemv.py --rows 1 --fused --shapes qkv gate_up lm_head --no-chain $first \
       --block-n 2 4 8 16 --block-k 256 512 1024 --warps 4 --stages 3 --top 6 2>&1 | grep -v DEBUG \
-      > "$OUT/tune_gemv_norm$late.log"
-    echo "late norm: ${late:-no}"; tail -9 "$OUT/tune_gemv_norm$late.log"
+      > "$OUT/tune_gemv_norm$first.log"
+    echo "norm: ${first:-after the product}"; tail -9 "$OUT/tune_gemv_norm$first.log"
   done
 fi
 #   d: 8B decode step before / after LATE_NORM in one lease (prev/ = `git archive 664396e kernels framework bench
 #      conf`); a wider launch sweep with LATE_NORM
 if [ "${1:-a}" = d ]; then
-  [ -d prev ] || { echo "prev/ missing: mkdir prev && git archive 664396e kernels framework bench conf | tar -x -C prev"; exit 1; }
+  [ -d prev ] || { echo "prev/ missing: mkdir prev && git archive 664396e kernels framework bench conf" \
+    "| tar -x -C prev"; exit 1; }
   for tree in prev .; do
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random \
       --batch 1 --context 1024 --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
@@ -84,8 +87,10 @@ fi
 #   i: the 32-layer chain's error against the reference with RMSNorm before the product (the old kernel) vs after;
 #      gemv GPU tests with the PDL parameters in the kernel (fused-decode cases excluded: lease e ran them)
 if [ "${1:-a}" = i ]; then
-  timeout 60 python3 bench/tune_gemv.py --rows 1 --chain-only --norm-first 2>&1 | grep -v DEBUG > "$OUT/chain_norm_first.log"
+  timeout 60 python3 bench/tune_gemv.py --rows 1 --chain-only --norm-first 2>&1 | grep -v DEBUG \
+    > "$OUT/chain_norm_first.log"
   tail -7 "$OUT/chain_norm_first.log"
-  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_gemv.py -k "not fused_decode" \
-    > "$OUT/gpu_gemv_i.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|^E " "$OUT/gpu_gemv_i.log" | tail -8
+  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_gemv.py \
+    -k "not fused_decode" > "$OUT/gpu_gemv_i.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed|^E " "$OUT/gpu_gemv_i.log" | tail -8
 fi

@@ -38,7 +38,7 @@ from kernels.pdl import HAS_GDC  # noqa: E402
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
 # what the decoder layer fuses into each product: (RMSNorm prologue, residual epilogue, SiLU-mul prologue)
 FUSION = {"qkv": (True, False, False), "o": (False, True, False), "gate_up": (True, False, False),
-          "down": (False, True, True), "lm_head": (True, False, False)}
+          "down": (False, True, True), "lm_head": (False, False, False)}
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
           "lm_head": (VOCAB, HIDDEN)}
 
@@ -128,7 +128,8 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(7)
     mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
     lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
-               n1=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5, n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
+               n1=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5,
+               n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
           for _ in range(layers)]
     weight_bytes = sum(t.numel() * 2 for layer in lw for t in layer.values())
     x0 = torch.randn(rows, HIDDEN, generator=gen, device="cuda").bfloat16()

@@ -5,7 +5,8 @@ the copy bandwidth there and needs a separate split-K reduction for the tall-K s
 program ``BLOCK_N`` whole rows of the weight (no split-K, no second kernel) and fuses what a decoder layer does
 around its linears, so that a layer runs in fewer kernels:
 
-- ``norm_weight``: RMSNorm of ``x`` before the product (each program computes the rows' RMS from ``x`` itself),
+- ``norm_weight``: RMSNorm of ``x`` (each program computes the rows' RMS from ``x`` itself: before the product,
+  or for one row, while the weight streams and applied to the sums, ``LATE_NORM``),
 - ``silu_mul``: ``x = [gate | up]`` and the product takes ``silu(gate) * up`` (the MLP's down projection),
 - ``residual``: ``y = residual + x @ w.T`` (the layer's residual stream).
 
@@ -27,19 +28,21 @@ from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
 from kernels.online_softmax import dot
-from kernels.pdl import gdc_launch_dependents, gdc_wait
+from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
-# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv and
-# o; gate_up and lm_head (RMSNorm fused in, LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`.
+# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv, o
+# and lm_head (no fusion: the final norm runs before the logits rows are picked); gate_up (RMSNorm fused in,
+# LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`.
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
 CUDA_LAUNCH = {
     "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection
     "square": (16, 1024, 4, 4),  # n == k, small: o_proj
     "wide": (8, 512, 4, 3),  # k < n < 4k: qkv
-    "very_wide": (8, 1024, 4, 3),  # n >= 4k: gate_up, lm_head
+    "very_wide": (8, 1024, 4, 3),  # 4k <= n < 16k: gate_up
+    "vocab": (16, 256, 4, 3),  # n >= 16k: lm_head
     "rows": (16, 256, 4, 3),
 }
 # One row with RMSNorm: scale by 1/rms(x) after the product, y = ((x * nw) @ w.T) / rms(x), with the sum of squares
@@ -76,11 +79,14 @@ def _gemv_kernel(
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
+    tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
-            lines = tl.arange(0, PREFETCH_K // 64) * 64  # one prefetch per 128-byte line of bf16
-            ptrs = W + (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * stride_wn
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + lines[None, :]],
+            # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
+            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            ptrs = W + rows[:, None].to(tl.int64) * stride_wn + lines[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                                       dtype=tl.int32, is_pure=False, pack=1)
         gdc_wait()
         gdc_launch_dependents()
@@ -90,7 +96,7 @@ def _gemv_kernel(
     m_ok = offs_m < M
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     rstd = tl.zeros((BLOCK_M,), tl.float32)
-    ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # LATE_NORM: sum of squares of x, by column
     if NORM and not LATE_NORM:  # the RMS of each row of x, before its first use
         ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -146,7 +152,9 @@ def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
         return CUDA_LAUNCH["tall"]
     if n == k:
         return CUDA_LAUNCH["square"]
-    return CUDA_LAUNCH["wide" if n < 4 * k else "very_wide"]
+    if n < 4 * k:
+        return CUDA_LAUNCH["wide"]
+    return CUDA_LAUNCH["very_wide" if n < 16 * k else "vocab"]
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
@@ -168,6 +176,9 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         torch._check(residual.shape == (m, n) and residual.stride(-1) == 1, lambda: "tfs::gemv: residual [m, n]")
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
+    torch._check(not pdl or (HAS_GDC and w.element_size() == 2 and prefetch_k in (0, 64, 128, 256, 512, 1024, 2048)),
+                 lambda: "tfs::gemv: pdl needs Triton's gdc ops, a 16-bit weight and prefetch_k a power of two "
+                         "from 64 to 2048, or 0")
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
@@ -180,7 +191,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y
 

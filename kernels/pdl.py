@@ -16,10 +16,12 @@ except ImportError:  # an older Triton: PDL is never requested
 
     @triton.jit
     def gdc_wait():
+        """No-op stand-in (this Triton has no grid dependency control)."""
         pass
 
     @triton.jit
     def gdc_launch_dependents():
+        """No-op stand-in (this Triton has no grid dependency control)."""
         pass
 
 

@@ -47,6 +47,16 @@ def test_gemv_interpreted(rows: int, n: int, k: int, fusion: str) -> None:
     check(rows, n, k, fusion, "cpu", torch.float32, 1e-4, seed=rows * 100 + n + k)
 
 
+@interpreted
+@pytest.mark.parametrize("fusion", ["norm", "norm+residual"])
+def test_gemv_one_row_norm_first_interpreted(fusion: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row's RMSNorm as a pass over x before the product (``LATE_NORM`` off), the path the tuner compares."""
+    import kernels.gemv
+
+    monkeypatch.setattr(kernels.gemv, "LATE_NORM", False)
+    check(1, 40, 96, fusion, "cpu", torch.float32, 1e-4, seed=7)
+
+
 class _StubAttention:
     """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
 
