@@ -3,8 +3,9 @@
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small fp32 shapes,
 including a half head_dim that is not a power of two, a qkv that is a column slice of a wider tensor and cos / sin
 tables with a row stride of their own, read at random positions. The reference itself is checked against the
-model's unfused code (``apply_rope`` and ``store_kv_reference``). GPU (``pytest -m gpu``): Llama-3-8B and SmolLM2 attention shapes in bf16 at decode,
-verify and prefill sizes, ``torch.library.opcheck`` in full, and torch.compile with CUDA graphs.
+model's unfused code (``apply_rope`` and ``store_kv_reference``). GPU (``pytest -m gpu``): Llama-3-8B and SmolLM2
+attention shapes in bf16 at decode, verify and prefill sizes, ``torch.library.opcheck`` in full, and torch.compile
+with CUDA graphs.
 """
 
 from __future__ import annotations
