@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (seventh session). Usage: bash bench/gpu_session12.sh a|b|...
+#   a: HEAD checks: the merge's stale-partials test on CUDA (first run there), gemv GPU tests (lm_head's launch
+#      class), the 8B decode step with lm_head at (16, 256, 4, 3)
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ "${1:-a}" = a ]; then
+  timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_gemv.py \
+    "tests/test_kernels_attention.py::test_merge_ignores_stale_partials_on_cuda" > "$OUT/gpu_tests_a.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_a.log" | tail -24
+  timeout 180 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_a.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_a.log"; grep -A13 "^one forward" "$OUT/profile_8b_a.log"
+fi
