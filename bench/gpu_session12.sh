@@ -14,3 +14,23 @@ if [ "${1:-a}" = a ]; then
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_a.log"
   grep -A6 "^forward wall" "$OUT/profile_8b_a.log"; grep -A13 "^one forward" "$OUT/profile_8b_a.log"
 fi
+#   b: PDL ops (compile.pdl): op and chain tests, then the 8B decode step with compile.pdl=off / on
+if [ "${1:-a}" = b ]; then
+  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
+    -k "ops_equal or chain" > "$OUT/gpu_pdl_b.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_pdl_b.log" | tail -24
+  for pdl in off on; do
+    timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
+      --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" compile.pdl=$pdl 2>&1 | grep -v DEBUG \
+      > "$OUT/profile_8b_b_$pdl.log"
+    echo "compile.pdl=$pdl"; grep -A6 "^forward wall" "$OUT/profile_8b_b_$pdl.log"
+    grep -A13 "^one forward" "$OUT/profile_8b_b_$pdl.log"
+  done
+fi
+#   c: after the float32 scalar casts (eps, scale): the PDL tests (ops, chain eager / compiled / PDL, model tokens
+#      plain and speculative), the attention and gemv GPU tests
+if [ "${1:-a}" = c ]; then
+  timeout 560 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
+    tests/test_kernels_attention.py tests/test_kernels_gemv.py > "$OUT/gpu_tests_c.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_c.log" | tail -40
+fi

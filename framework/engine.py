@@ -33,6 +33,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_pdl(setting: str, device: torch.device) -> bool:
+    """``compile.pdl``: launch the decode path's kernels with programmatic dependent launch (kernels/pdl.py)."""
+    if setting == "off":
+        return False
+    from kernels.pdl import pdl_supported  # imports triton: only when the setting asks
+
+    supported = pdl_supported(device)
+    if setting == "on" and not supported:
+        raise ConfigError(f"compile.pdl=on is not allowed on {device}: it needs a CUDA GPU of compute capability "
+                          f"9.0 or later and a Triton with grid dependency control (use auto or off)")
+    return supported
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -88,8 +101,9 @@ class Engine:
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
+        pdl = resolve_pdl(config.compile.pdl, self.device)
         self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
-                                  self.device, config.compile.skip_guards)
+                                  self.device, config.compile.skip_guards, pdl)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,

@@ -75,9 +75,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
-                 batch_sizes: list[int], device: torch.device, skip_guards: bool = False) -> None:
+                 batch_sizes: list[int], device: torch.device, skip_guards: bool = False,
+                 pdl: bool = False) -> None:
         self.model = model
         self.backend = backend
+        self.pdl = pdl  # compile.pdl resolved: the model's fused decode path and the backend launch with PDL
+        model.pdl = backend.pdl = pdl
         self.compiled = compiled
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards

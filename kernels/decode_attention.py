@@ -36,10 +36,28 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 register_cpu_reference(decode_attention_op, decode_attention_reference)
 
 
+@torch.library.custom_op("tfs::decode_attention_pdl", mutates_args=())
+def decode_attention_pdl_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_splits: int,
+                            target_programs: int, min_split_len: int) -> torch.Tensor:
+    """``tfs::decode_attention`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    inductor calls as it is, so that the launches keep their PDL attribute inside captured graphs."""
+    return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, None, 1, scale,
+                                     max_splits, target_programs, min_split_len, pdl=True)
+
+
+@decode_attention_pdl_op.register_fake
+def _decode_attention_pdl_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_splits: int,
-                     target_programs: int, min_split_len: int) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
+                     target_programs: int, min_split_len: int, pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    elsewhere."""
     fn = torch.ops.tfs.decode_attention if use_triton(q) else decode_attention_reference
+    if pdl and q.is_cuda:
+        fn = torch.ops.tfs.decode_attention_pdl
     return fn(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_splits, target_programs,
               min_split_len)

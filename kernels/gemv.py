@@ -80,6 +80,7 @@ def _gemv_kernel(
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
+    eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
@@ -164,8 +165,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
-    the program's weight rows. Only for direct launches (bench/tune_gemv.py's chain): inside ``tfs::gemv`` under
-    torch.compile, inductor launches the kernel and cannot pass ``launch_pdl`` (docs/PERFORMANCE.md)."""
+    the program's weight rows. Only for direct launches (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside
+    ``tfs::gemv`` under torch.compile, inductor launches the kernel and cannot pass ``launch_pdl``."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")
@@ -176,9 +177,9 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         torch._check(residual.shape == (m, n) and residual.stride(-1) == 1, lambda: "tfs::gemv: residual [m, n]")
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
-    torch._check(not pdl or (HAS_GDC and w.element_size() == 2 and prefetch_k in (0, 64, 128, 256, 512, 1024, 2048)),
-                 lambda: "tfs::gemv: pdl needs Triton's gdc ops, a 16-bit weight and prefetch_k a power of two "
-                         "from 64 to 2048, or 0")
+    torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
+    torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in (64, 128, 256, 512, 1024, 2048)),
+                 lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 2048")
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
@@ -205,6 +206,26 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul)
 
 
+# columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
+# `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
+PDL_PREFETCH_K = 512
+
+
+@torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
+def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
+                norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
+    """``tfs::gemv`` with programmatic dependent launch (CUDA, kernels/pdl.py) after an L2 prefetch of the first
+    ``PDL_PREFETCH_K`` weight columns (16-bit weights): an opaque op, which inductor calls as it is, so that the launch keeps its
+    PDL attribute inside captured graphs."""
+    prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k)
+
+
+@gemv_pdl_op.register_fake
+def _gemv_pdl_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], dtype=w.dtype)
+
+
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                    norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
     """Plain torch, in the order the unfused decoder layer computes it."""
@@ -227,9 +248,13 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
-         norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False) -> torch.Tensor:
-    """The op where Triton runs and the batch is small enough (see :func:`gemv_applies`), the reference elsewhere."""
+         norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
+         pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs and the batch is small enough (see :func:`gemv_applies`; ``pdl``: its PDL variant
+    on CUDA), the reference elsewhere."""
     if silu_mul and norm_weight is not None:
         raise ValueError("gemv: silu_mul and norm_weight cannot be combined")
     fn = torch.ops.tfs.gemv if gemv_applies(x, w) else gemv_reference
+    if pdl and x.is_cuda and fn is not gemv_reference:
+        fn = torch.ops.tfs.gemv_pdl
     return fn(x, w, residual, norm_weight, eps, silu_mul)

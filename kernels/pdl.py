@@ -1,10 +1,19 @@
 """Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while the kernel
 before it in the stream finishes; it calls :func:`gdc_wait` before it reads what that kernel wrote, and
 :func:`gdc_launch_dependents` to let the next one start early. Both are no-ops without PDL. Triton builds without
-them get no-op stand-ins (and :data:`HAS_GDC` False)."""
+them get no-op stand-ins (and :data:`HAS_GDC` False).
+
+Rules for a kernel with a ``USE_PDL`` switch (every launch with PDL relies on all of them):
+- nothing is written before ``gdc_wait`` (the kernel before may still read the memory);
+- before ``gdc_wait`` it reads only what no kernel of the step writes (weights) or what was written before the
+  kernel just before it started (the batch's metadata): that kernel waited for its own predecessor before it let
+  this one launch;
+- ``gdc_launch_dependents`` comes after ``gdc_wait``, so the rule above holds for the next kernel too.
+"""
 
 from __future__ import annotations
 
+import torch
 import triton
 
 try:
@@ -25,4 +34,10 @@ except ImportError:  # an older Triton: PDL is never requested
         pass
 
 
-__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait"]
+def pdl_supported(device: torch.device) -> bool:
+    """True when kernels on ``device`` can be launched with PDL: a CUDA GPU of compute capability 9.0 or later and
+    a Triton with grid dependency control."""
+    return HAS_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported"]

@@ -18,6 +18,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -25,12 +26,16 @@ def _rope_store_kv_kernel(
     QKV, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out,
     stride_qkv, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid: (n, heads + 2 * kv_heads); program (i, h): token i, column head h of qkv (q heads, then k, then v)
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < HALF
+    if USE_PDL:  # launched early (kernels/pdl.py): qkv comes from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
     src = QKV + i * stride_qkv + h * HEAD_DIM + d
     x1 = tl.load(src, mask=ok)  # [BLOCK] first half of the head
     x2 = tl.load(src + HALF, mask=ok)  # [BLOCK] second half
@@ -79,14 +84,10 @@ def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     torch._check(slots.shape == (n,), lambda: f"tfs::rope_store_kv: slots {tuple(slots.shape)} must be [{n}]")
 
 
-@triton_op("tfs::rope_store_kv", mutates_args=("k_cache", "v_cache"))
-def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                     num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """qkv ``[n, (heads + 2 * kv_heads) * head_dim]`` (unit inner stride, any row stride); cos / sin: the rope
-    tables ``[max_pos, head_dim // 2]`` (unit inner stride), read at ``positions`` ``[n]``; k_cache / v_cache
-    ``[num_slots, kv_heads, head_dim]`` (written at ``slots``); slots ``[n]`` int64 -> q ``[n, heads, head_dim]``
-    in qkv's dtype."""
+def launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
+    """Check and launch (``pdl``: with programmatic dependent launch, outside traced code: kernels/pdl_ops.py)."""
     _check_inputs(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -96,10 +97,22 @@ def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv, cos, sin, positions, k_cache, v_cache, slots, q,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK=block,
-        num_warps=1 if block <= 64 else 2,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK=block, USE_PDL=pdl,
+        num_warps=1 if block <= 64 else 2, **({"launch_pdl": True} if pdl else {}),
     )
     return q
+
+
+@triton_op("tfs::rope_store_kv", mutates_args=("k_cache", "v_cache"))
+def rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """qkv ``[n, (heads + 2 * kv_heads) * head_dim]`` (unit inner stride, any row stride); cos / sin: the rope
+    tables ``[max_pos, head_dim // 2]`` (unit inner stride), read at ``positions`` ``[n]``; k_cache / v_cache
+    ``[num_slots, kv_heads, head_dim]`` (written at ``slots``); slots ``[n]`` int64 -> q ``[n, heads, head_dim]``
+    in qkv's dtype."""
+    return launch_rope_store_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                                head_dim)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,11 +139,31 @@ def rope_store_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 register_cpu_reference(rope_store_kv_op, rope_store_kv_reference)
 
 
+@torch.library.custom_op("tfs::rope_store_kv_pdl", mutates_args=("k_cache", "v_cache"))
+def rope_store_kv_pdl_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``tfs::rope_store_kv`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
+    return launch_rope_store_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                                head_dim, pdl=True)
+
+
+@rope_store_kv_pdl_op.register_fake
+def _rope_store_kv_pdl_fake(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                            num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+
+
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
+                  num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    elsewhere."""
     fn = torch.ops.tfs.rope_store_kv if use_triton(qkv) else rope_store_kv_reference
+    if pdl and qkv.is_cuda:
+        fn = torch.ops.tfs.rope_store_kv_pdl
     return fn(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels.online_softmax import dot, online_softmax_step
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 
@@ -48,7 +49,7 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
         slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kv_ok, other=0.0)
-        # NOTE: .to(float32): inductor passes float scalars as fp64, which would make the loop state fp64
+        # NOTE: .to(float32) keeps the loop state fp32 whatever the scalar's type
         s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N], base-2 units
         if CHECK:
             if HAS_MASK:
@@ -75,9 +76,11 @@ def _split_kv_partial_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
+    # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
+    scale_log2e = tl.cast(scale_log2e, tl.float32)
     b = tl.program_id(0) // M_BLOCKS
     m_block = tl.program_id(0) % M_BLOCKS
     kv_head = tl.program_id(1)
@@ -96,9 +99,12 @@ def _split_kv_partial_kernel(
     head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
+    if USE_PDL:  # launched early (kernels/pdl.py): q and the new keys come from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
-    slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
     mask_row = Mask + b * stride_mb
     last_key = seq_len - Q_LEN + t  # causal: row t sees keys <= last_key
     region = seq_len - mask_width  # custom mask: keys >= region are decided by the mask, earlier ones are visible
@@ -134,6 +140,7 @@ def _split_kv_reduce_kernel(
     programs_per_split, max_splits, target_programs, min_split_len,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
     Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid: (num_tokens, heads)
     token = tl.program_id(0)
@@ -145,6 +152,9 @@ def _split_kv_reduce_kernel(
     # of splits this request did not use hold stale values and are dropped by the where's below
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
+    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
     lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
     o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
                 mask=in_buf[:, None] & d_ok[None, :], other=0.0)
@@ -189,9 +199,10 @@ def _tile_rows(rows: int) -> tuple[int, int]:
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                               custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
-                              target_programs: int, min_split_len: int) -> torch.Tensor:
+                              target_programs: int, min_split_len: int, pdl: bool = False) -> torch.Tensor:
     """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
-    in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``."""
+    in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: both
+    with programmatic dependent launch (from an opaque op: kernels/pdl.py)."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -210,6 +221,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mask = custom_mask.to(torch.uint8).contiguous() if has_mask else seq_lens  # seq_lens: an unused stand-in
     mask_width = custom_mask.shape[2] if has_mask else 0
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    pdl_launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
@@ -217,15 +229,15 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **pdl_launch,
     )
     return out
 

@@ -40,11 +40,30 @@ def verify_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 register_cpu_reference(verify_attention_op, verify_attention_reference)
 
 
+@torch.library.custom_op("tfs::verify_attention_pdl", mutates_args=())
+def verify_attention_pdl_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                            req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                            custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
+                            target_programs: int, min_split_len: int) -> torch.Tensor:
+    """``tfs::verify_attention`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    inductor calls as it is, so that the launches keep their PDL attribute inside captured graphs."""
+    return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
+                                     q_len, scale, max_splits, target_programs, min_split_len, pdl=True)
+
+
+@verify_attention_pdl_op.register_fake
+def _verify_attention_pdl_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor],
                      q_len: int, scale: float, max_splits: int, target_programs: int,
-                     min_split_len: int) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
+                     min_split_len: int, pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    elsewhere."""
     fn = torch.ops.tfs.verify_attention if use_triton(q) else verify_attention_reference
+    if pdl and q.is_cuda:
+        fn = torch.ops.tfs.verify_attention_pdl
     return fn(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask, q_len, scale, max_splits,
               target_programs, min_split_len)

@@ -45,6 +45,7 @@ def test_defaults():
     ("sampling.top_p=0", "sampling.top_p"),
     ("sampling.max_tokens=0", "sampling.max_tokens"),
     ("compile.mode=fast", "compile.mode='fast' is not allowed; choose one of: auto, eager, reduce_overhead"),
+    ("compile.pdl=yes", "compile.pdl='yes' is not allowed; choose one of: auto, on, off"),
     ("model.dtype=int8", "model.dtype"),
     ("scheduler.max_running_requests=0", "scheduler.max_running_requests"),
 ])

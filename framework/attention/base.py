@@ -19,6 +19,7 @@ class AttentionBackend:
     """
 
     name = "base"
+    pdl = False  # set by the model runner (compile.pdl): backends with PDL kernel variants launch them
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:

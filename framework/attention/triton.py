@@ -110,7 +110,8 @@ class TritonBackend(AttentionBackend):
         (``tfs::rope_store_kv``), then attention."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
         q = self._rope_store(qkv, rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
-                             meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim)  # [n, heads, dim]
+                             meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.pdl)  # [n, heads, dim]
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -126,8 +127,8 @@ class TritonBackend(AttentionBackend):
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)
         elif meta.q_len == 1 and meta.custom_mask is None:
             out = self._decode(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               self.scale, *meta.split_policy)
+                               self.scale, *meta.split_policy, pdl=self.pdl)
         else:
             out = self._verify(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               meta.custom_mask, meta.q_len, self.scale, *meta.split_policy)
+                               meta.custom_mask, meta.q_len, self.scale, *meta.split_policy, pdl=self.pdl)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * head_dim]

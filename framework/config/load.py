@@ -80,6 +80,7 @@ def validate(config: Config) -> None:
     _check("kv.max_total_tokens", kv.max_total_tokens, kv.max_total_tokens >= 0, "0 (auto) or a token count")
     c = config.compile
     _choice("compile.mode", c.mode, ["auto", "eager", "reduce_overhead"])
+    _choice("compile.pdl", c.pdl, ["auto", "on", "off"])
     _check("compile.batch_sizes", c.batch_sizes, len(c.batch_sizes) > 0 and all(b >= 1 for b in c.batch_sizes),
            "a non-empty list of integers >= 1")
     s = config.sampling

@@ -123,16 +123,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
-        (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones)."""
+        (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
+        ``pdl``: their programmatic-dependent-launch variant (kernels/pdl.py)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
-            qkv = gemv(x, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
-            x = gemv(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x)
+            qkv = gemv(x, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps,
+                       pdl=pdl)
+            x = gemv(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x, pdl=pdl)
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
-                     eps=self.post_attention_layernorm.eps)
-            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True)
+                     eps=self.post_attention_layernorm.eps, pdl=pdl)
+            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -150,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = True  # compiled decode-sized batches on CUDA use tfs::gemv (see DecoderLayer.forward)
+        self.pdl = False  # ... launched with programmatic dependent launch (set by the model runner: compile.pdl)
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -179,8 +182,8 @@ class LlamaForCausalLM(nn.Module):
         # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
         fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
         for layer in layers:
-            x = layer(x, rope, meta, fused)
+            x = layer(x, rope, meta, fused, fused and self.pdl)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
-        logits = gemv(rows, self.lm_head.weight) if fused else self.lm_head(rows)
+        logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
         return logits.float(), hidden

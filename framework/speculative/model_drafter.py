@@ -47,7 +47,7 @@ class ModelDrafter(Drafter):
         backend = ATTENTION_BACKENDS.build(eng.config.attention.name, self.pool, eng.allocator, num_heads,
                                            num_kv_heads, head_dim)
         self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device,
-                                  eng.runner.skip_guards)
+                                  eng.runner.skip_guards, eng.runner.pdl)
 
     def warmup(self) -> None:
         """Compile the draft-step shapes ahead of serving: one token per request, and topk for trees."""

@@ -1,0 +1,159 @@
+"""Programmatic dependent launch (kernels/pdl.py, ``compile.pdl``): each ``tfs::*_pdl`` op gives bit for bit what
+its plain op gives, alone and chained in a compiled CUDA graph (where a kernel that read its predecessor's output
+before ``gdc_wait`` would read stale memory), and a model decodes, plainly and speculatively, the same tokens with
+PDL on and off.
+
+CPU: how ``compile.pdl`` resolves. GPU (``pytest -m gpu``; the PDL cases need compute capability >= 9.0): the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework.config import ConfigError
+from framework.engine import resolve_pdl
+from kernels.decode_attention import decode_attention
+from kernels.gemv import gemv
+from kernels.pdl import pdl_supported
+from kernels.rope_store import rope_store_kv
+from kernels.split_kv_attention import split_policy
+from kernels.verify_attention import verify_attention
+from tests.test_kernels_attention import paged_table, random_pool, tree_mask
+from tests.test_kernels_gemv import gemv_args
+from tests.test_kernels_rope_store import rope_args
+
+
+def test_pdl_setting_resolves_per_device() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_pdl("auto", cpu) is False and resolve_pdl("off", cpu) is False
+    with pytest.raises(ConfigError) as err:
+        resolve_pdl("on", cpu)
+    assert str(err.value).startswith("compile.pdl=on is not allowed on cpu") and "\n" not in str(err.value)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------------------
+needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and pdl_supported(torch.device("cuda"))),
+                               reason="PDL needs a CUDA GPU of compute capability >= 9.0")
+
+
+def attention_args(q_len: int, masked: bool, seed: int) -> tuple:
+    """bf16 paged attention arguments: 4 requests of mixed lengths (some split many ways), 32 query heads over 8."""
+    lens = [5, 700, 3000, 64]
+    table, rpi, num_slots = paged_table(lens, 16, 3100, "cuda", seed)
+    k_cache, v_cache = random_pool(num_slots, 8, 128, torch.bfloat16, "cuda", seed + 1)
+    q = torch.randn(4 * q_len, 32, 128, generator=torch.Generator().manual_seed(seed + 2)).to("cuda", torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda")
+    mask = tree_mask(4, q_len, q_len + 3, seed + 3).to("cuda") if masked else None
+    return q, k_cache, v_cache, table, rpi, seq, mask
+
+
+@pytest.mark.gpu
+@needs_pdl
+def test_pdl_ops_equal_plain_ops() -> None:
+    for (n, k), fusion in [((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), "silu_mul+residual"),
+                           ((1000, 576), "norm+residual")]:
+        for rows, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (1, torch.float32)):
+            args = gemv_args(rows, n, k, fusion, "cuda", dtype, seed=rows)
+            assert torch.equal(gemv(*args, pdl=True), gemv(*args)), (n, k, fusion, rows, dtype)
+    torch.library.opcheck(torch.ops.tfs.gemv_pdl, gemv_args(2, 256, 512, "norm+residual", "cuda", torch.bfloat16, 0))
+
+    args = rope_args(4, 32, 8, 128, "cuda", torch.bfloat16, seed=1)
+    caches = [a.clone() for a in args[4:6]]
+    q = rope_store_kv(*args, pdl=True)
+    k_pdl, v_pdl = args[4].clone(), args[5].clone()
+    args[4].copy_(caches[0])
+    args[5].copy_(caches[1])
+    assert torch.equal(q, rope_store_kv(*args)) and torch.equal(k_pdl, args[4]) and torch.equal(v_pdl, args[5])
+    torch.library.opcheck(torch.ops.tfs.rope_store_kv_pdl, args)
+
+    policy = split_policy(torch.device("cuda"), 1)
+    q, k_cache, v_cache, table, rpi, seq, _ = attention_args(1, False, 5)
+    decode = (q, k_cache, v_cache, table, rpi, seq, 128 ** -0.5, *policy)
+    assert torch.equal(decode_attention(*decode, pdl=True), decode_attention(*decode))
+    torch.library.opcheck(torch.ops.tfs.decode_attention_pdl, decode)
+    policy = split_policy(torch.device("cuda"), 8)
+    for masked in (False, True):
+        q, k_cache, v_cache, table, rpi, seq, mask = attention_args(8, masked, 7)
+        verify = (q, k_cache, v_cache, table, rpi, seq, mask, 8, 128 ** -0.5, *policy)
+        assert torch.equal(verify_attention(*verify, pdl=True), verify_attention(*verify))
+        torch.library.opcheck(torch.ops.tfs.verify_attention_pdl, verify)
+
+
+@pytest.mark.gpu
+@needs_pdl
+def test_pdl_chain_in_a_cuda_graph_equals_plain() -> None:
+    """Four decoder-layer-shaped steps (qkv with RMSNorm, rope + K/V store, split-K decode, o with residual, the
+    MLP's two gemvs), each kernel reading what the one before wrote: every replay's output and KV cache are
+    bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with PDL and without."""
+    from framework.kv import KVPool
+
+    hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
+    lens = [900, 17]
+    table, rpi, num_slots = paged_table(lens, 16, 1000, "cuda", 11)
+    torch._dynamo.mark_static_address(table)
+    seq = torch.tensor(lens, device="cuda")
+    slots = table[rpi, seq - 1]
+    positions = seq - 1
+    gen = torch.Generator().manual_seed(12)
+    weights = [[(torch.randn(*shape, generator=gen) / shape[1] ** 0.5).to("cuda", torch.bfloat16)
+                for shape in (((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden),
+                              (hidden, inter))] for _ in range(layers)]
+    norms = [(torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16) for _ in range(2)]
+    for t in [*norms, *(w for ws in weights for w in ws)]:
+        torch._dynamo.mark_static_address(t)  # as the engine's parameters: not copied on every replay
+    _, cos, sin, *_ = rope_args(2, heads, kv_heads, dim, "cuda", torch.bfloat16, seed=13)
+    policy = split_policy(torch.device("cuda"), 1)
+    stale_k, stale_v = random_pool(num_slots, kv_heads, dim, torch.bfloat16, "cuda", 14)
+    results = []
+    for compiled, pdl in ((False, False), (True, False), (True, True)):
+        pool = KVPool(layers, num_slots, kv_heads, dim, torch.bfloat16, torch.device("cuda"))
+
+        def step(x: torch.Tensor, pool=pool, pdl=pdl) -> torch.Tensor:
+            for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
+                qkv = gemv(x, w_qkv, norm_weight=norms[0], eps=1e-5, pdl=pdl)
+                q = rope_store_kv(qkv, cos, sin, positions, pool.k[i], pool.v[i], slots, heads, kv_heads, dim, pdl)
+                attn = decode_attention(q, pool.k[i], pool.v[i], table, rpi, seq, dim ** -0.5, *policy, pdl=pdl)
+                x = gemv(attn.reshape(x.shape[0], heads * dim), w_o, residual=x, pdl=pdl)
+                h = gemv(x, w_gu, norm_weight=norms[1], eps=1e-5, pdl=pdl)
+                x = gemv(h, w_down, residual=x, silu_mul=True, pdl=pdl)
+            return x
+
+        fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
+        outs = []
+        for rep in range(4):
+            for i in range(layers):
+                pool.k[i].copy_(stale_k)
+                pool.v[i].copy_(stale_v)
+            x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(rep)).to("cuda", torch.bfloat16)
+            torch.compiler.cudagraph_mark_step_begin()
+            outs.append((fn(x).clone(), [pool.k[i].clone() for i in range(layers)]))
+        results.append(outs)
+    # eager launches, the compiled plain ops (inductor launches them) and the compiled PDL ops: bit for bit
+    for (eager, eager_k), *others in zip(*results):
+        for out, ks in others:
+            assert torch.equal(eager, out)
+            assert all(torch.equal(a, b) for a, b in zip(eager_k, ks))
+
+
+@pytest.mark.gpu
+@needs_pdl
+@pytest.mark.parametrize("spec", [[], ["speculative=ngram", "speculative.num_steps=4"],
+                                  ["speculative=layer_skip", "speculative.num_steps=3", "speculative.topk=4",
+                                   "speculative.num_draft_tokens=8", "speculative.exit_layer=2"]])
+def test_model_tokens_same_with_pdl_on_and_off(spec: list[str]) -> None:
+    """SmolLM2-shaped bf16 (8 layers), attention=triton, compiled with CUDA graphs: the same kernels in the same
+    order, so the same greedy tokens, for plain decoding and for chain / tree verification."""
+    from framework import LLM
+    from tests.test_attention_backends import BF16_PROMPTS
+    from tests.test_gpu import cuda_overrides
+
+    outs = []
+    for pdl in ("off", "on"):
+        llm = LLM(cuda_overrides("model=smollm2_135m_random", "model.arch.num_layers=8", "attention=triton",
+                                 "compile=reduce_overhead", "scheduler.max_running_requests=2",
+                                 "compile.batch_sizes=[1,2]", f"compile.pdl={pdl}", *spec))
+        assert llm.engine.runner.pdl == (pdl == "on")
+        outs.append([o.token_ids for o in llm.generate(BF16_PROMPTS)])
+        llm.engine.allocator.assert_all_free()
+    assert outs[0] == outs[1]
