@@ -34,3 +34,16 @@ if [ "${1:-a}" = c ]; then
     tests/test_kernels_attention.py tests/test_kernels_gemv.py > "$OUT/gpu_tests_c.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_c.log" | tail -40
 fi
+#   d: tfs::qkv_rope_store (qkv projection + RoPE + K/V store in one kernel) and the L2 prefetch of the split's
+#      first K/V tile before the PDL wait: GPU tests, then the 8B decode step
+if [ "${1:-a}" = d ]; then
+  timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_qkv_rope_store.py \
+    tests/test_kernels_pdl.py::test_pdl_ops_equal_plain_ops \
+    tests/test_kernels_pdl.py::test_pdl_chain_in_a_cuda_graph_equals_plain \
+    "tests/test_kernels_gemv.py::test_fused_decode_same_tokens_as_unfused[smollm2_135m_random]" \
+    "tests/test_kernels_pdl.py::test_model_tokens_same_with_pdl_on_and_off[spec2]" > "$OUT/gpu_tests_d.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_d.log" | tail -30
+  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_d.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_d.log"; grep -A13 "^one forward" "$OUT/profile_8b_d.log"
+fi

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
 
-GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK"), ("attention", r"split_kv"),
+GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
+          ("attention", r"split_kv"),
           ("kv store", r"store_kv"), ("copy/memset", r"memcpy|memset|Memcpy|Memset")]
 
 

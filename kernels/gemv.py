@@ -28,7 +28,7 @@ from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
 from kernels.online_softmax import dot
-from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
+from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
@@ -72,30 +72,25 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
 
 
 @triton.jit
-def _gemv_kernel(
-    X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-):
-    # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
+def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+              NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr):
+    """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
+    rows of w ``offs_n`` ``[BLOCK_N]`` (any order); with ``USE_PDL``, the launch's wait comes first (after an L2
+    prefetch of the rows' first ``PREFETCH_K`` columns). Shared by ``tfs::gemv`` and ``tfs::qkv_rope_store``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
+    n_ok = offs_n < N
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
             lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
-            rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            ptrs = W + rows[:, None].to(tl.int64) * stride_wn + lines[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
     m_ok = offs_m < M
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # LATE_NORM: sum of squares of x, by column
     if NORM and not LATE_NORM:  # the RMS of each row of x, before its first use
@@ -137,8 +132,22 @@ def _gemv_kernel(
         out = acc  # [BLOCK_M, BLOCK_N]
     if LATE_NORM:
         out = out * tl.rsqrt(tl.sum(ss_late, axis=1) / K + eps)[:, None]
-    out = out.to(Y.dtype.element_ty)
-    ok = m_ok[:, None] & n_ok[None, :]
+    return out
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, SILU_MUL,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM).to(Y.dtype.element_ty)
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if HAS_RESIDUAL:
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
         out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)

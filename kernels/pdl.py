@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -34,10 +35,19 @@ except ImportError:  # an older Triton: PDL is never requested
         pass
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Pull the 128-byte lines at ``ptrs`` (any shape; one pointer per line is enough) into L2 without waiting:
+    what a kernel launched early may do with memory that the kernel before it does not write (weights, the KV
+    cache of earlier steps). CUDA only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """True when kernels on ``device`` can be launched with PDL: a CUDA GPU of compute capability 9.0 or later and
     a Triton with grid dependency control."""
     return HAS_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported"]
+__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported", "prefetch_l2"]

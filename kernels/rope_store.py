@@ -62,9 +62,11 @@ def _rope_store_kv_kernel(
         tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
 
 
-def _check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+def check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                   num_kv_heads: int, head_dim: int) -> None:
+    """The argument checks of ``tfs::rope_store_kv`` (shapes, strides); each failure is one line naming the
+    argument."""
     n, width = qkv.shape
     half = head_dim // 2
     torch._check(head_dim % 2 == 0, lambda: f"tfs::rope_store_kv: head_dim {head_dim} must be even")
@@ -88,7 +90,7 @@ def launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
     """Check and launch (``pdl``: with programmatic dependent launch, outside traced code: kernels/pdl_ops.py)."""
-    _check_inputs(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+    check_inputs(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2

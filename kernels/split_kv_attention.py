@@ -24,7 +24,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels.online_softmax import dot, online_softmax_step
-from kernels.pdl import gdc_launch_dependents, gdc_wait
+from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 
 LOG2E = 1.4426950408889634
 
@@ -76,7 +76,7 @@ def _split_kv_partial_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -101,6 +101,13 @@ def _split_kv_partial_kernel(
     d_ok = d < HEAD_DIM
     slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
     if USE_PDL:  # launched early (kernels/pdl.py): q and the new keys come from the kernel before
+        # meanwhile, pull the split's first tile of older keys (written by earlier steps) into L2, one pointer per
+        # LINE elements of each K / V row
+        j = start + tl.arange(0, BLOCK_N)
+        old = tl.where(j < tl.minimum(end, seq_len - Q_LEN), tl.load(slot_row + j, mask=j < end, other=0), 0)
+        lines = tl.arange(0, BLOCK_D // LINE) * LINE
+        prefetch_l2(K_cache + old[:, None] * stride_ks + kv_head * stride_kh + lines[None, :])
+        prefetch_l2(V_cache + old[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -230,7 +237,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, USE_PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,

@@ -60,6 +60,9 @@ def test_gemv_one_row_norm_first_interpreted(fusion: str, monkeypatch: pytest.Mo
 class _StubAttention:
     """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
 
+    def forward_projection(self, x, w_qkv, norm_weight, eps, rope, layer_id, meta):
+        return None  # not fused: the layer projects with tfs::gemv and calls forward_qkv
+
     def forward_qkv(self, qkv, rope, layer_id, meta):
         return None  # not fused: the layer applies RoPE and calls forward
 

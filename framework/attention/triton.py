@@ -2,6 +2,8 @@
 
 - every mode first applies RoPE to q and k and writes the new K/V into the pool at ``out_cache_loc``, in one kernel
   (``tfs::rope_store_kv``, through :meth:`forward_qkv`; :meth:`forward` takes roped q/k and uses ``tfs::store_kv``);
+  a decode-sized batch on the model's fused path (``tfs::gemv``) folds the qkv projection into that kernel too
+  (``tfs::qkv_rope_store``, through :meth:`forward_projection`);
 - EXTEND (ragged prefill, eager): ``tfs::extend_attention``, causal over the new tokens, whole prefix visible;
 - DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
 - TARGET_VERIFY / DRAFT_EXTEND / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
@@ -63,6 +65,7 @@ class TritonBackend(AttentionBackend):
                               f"{num_kv_heads} KV heads")
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
+        from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
         from kernels.rope_store import rope_store_kv
         from kernels.split_kv_attention import split_policy
         from kernels.store_kv import store_kv
@@ -72,6 +75,7 @@ class TritonBackend(AttentionBackend):
             verify_attention, store_kv
         self._split_policy = split_policy
         self._rope_store = rope_store_kv
+        self._qkv_rope_store, self._qkv_rope_store_applies = qkv_rope_store, qkv_rope_store_applies
         self._policies: dict[int, tuple[int, int, int]] = {}
         if allocator.device.type == "cuda":
             # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
@@ -112,6 +116,17 @@ class TritonBackend(AttentionBackend):
         q = self._rope_store(qkv, rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
                              meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim,
                              self.pdl)  # [n, heads, dim]
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           rope: Any, layer: int, meta: TritonMetadata) -> Optional[torch.Tensor]:
+        """The qkv projection, RoPE and the K/V store in one kernel (``tfs::qkv_rope_store``), then attention."""
+        if not self._qkv_rope_store_applies(x, w_qkv, self.head_dim):
+            return None
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
+        q = self._qkv_rope_store(x, w_qkv, norm_weight, eps, rope.cos_table, rope.sin_table, rope.positions, k_cache,
+                                 v_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.pdl)  # [n, heads, dim]
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -129,9 +129,13 @@ class DecoderLayer(nn.Module):
         ``pdl``: their programmatic-dependent-launch variant (kernels/pdl.py)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
-            qkv = gemv(x, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps,
-                       pdl=pdl)
-            x = gemv(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x, pdl=pdl)
+            norm = self.input_layernorm
+            out = attn.backend.forward_projection(x, attn.qkv_proj.weight, norm.weight, norm.eps, rope, attn.layer_id,
+                                                  meta)
+            if out is None:  # the backend does not fuse the projection: tfs::gemv, then RoPE and attention
+                qkv = gemv(x, attn.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, pdl=pdl)
+                out = attn.attend(qkv, rope, meta)
+            x = gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps, pdl=pdl)
             return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)

@@ -1,0 +1,171 @@
+"""``tfs::qkv_rope_store``: a decoder layer's qkv projection (RMSNorm fused in), RoPE and the K/V store, in one
+kernel for a decode-sized batch: ``tfs::gemv`` followed by ``tfs::rope_store_kv`` without the second launch.
+
+Each program computes ``BLOCK_N`` columns of the projection for all rows (the gemv's main loop,
+:func:`kernels.gemv.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
+columns of one head's first half and their partners ``HALF`` columns later. The epilogue rounds the projection to
+the weight's dtype (as ``tfs::gemv`` stores it), rotates q and k heads in float32 at each row's position, and writes
+q to the returned tensor, k and v to their slots of the caches: the same values, bit for bit, as the two kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels.dispatch import register_cpu_reference, use_triton
+from kernels.gemv import LATE_NORM, MAX_ROWS, PDL_PREFETCH_K, gemv_reference, gemv_tile, launch_params
+from kernels.rope_store import check_inputs, rope_store_kv_reference
+
+
+@triton.jit
+def _qkv_rope_store_kernel(
+    X, W, NW, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out, M, N, K, eps,
+    stride_xm, stride_wn, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+):
+    # grid: ((heads + 2 * kv_heads) * HALF / PAIRS,); program p: PAIRS columns c of head h's first half, and c + HALF
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    h = tl.program_id(0) // (HALF // PAIRS)
+    c = tl.program_id(0) % (HALF // PAIRS) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS] columns within the head
+    i = tl.arange(0, BLOCK_N)
+    offs_n = h * HEAD_DIM + i // PAIRS * HALF + tl.program_id(0) % (HALF // PAIRS) * PAIRS + i % PAIRS  # x1s, x2s
+    y = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, False,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM).to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    ok = m_ok[:, None]
+    if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
+        pos = tl.load(Positions + offs_m, mask=m_ok, other=0).to(tl.int64)
+        cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        r1 = (a * cs - b * sn).to(W.dtype.element_ty)
+        r2 = (b * cs + a * sn).to(W.dtype.element_ty)
+        if h < HEADS:
+            dst = Q_out + (offs_m[:, None] * HEADS + h) * HEAD_DIM + c[None, :]
+            tl.store(dst, r1, mask=ok)
+            tl.store(dst + HALF, r2, mask=ok)
+        else:
+            slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+            dst = K_cache + slot[:, None] * stride_kcs + (h - HEADS) * stride_kch + c[None, :]
+            tl.store(dst, r1.to(K_cache.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, r2.to(K_cache.dtype.element_ty), mask=ok)
+    else:  # v: into the cache as it is
+        slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+        dst = V_cache + slot[:, None] * stride_vcs + (h - HEADS - KV_HEADS) * stride_vch + c[None, :]
+        tl.store(dst, x1.to(V_cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int]:
+    block_n, block_k, warps, stages = launch_params(x.shape[0], *w.shape)
+    if not x.is_cuda:  # the interpreter: small shapes, small tiles
+        block_n, block_k = min(block_n, 16), min(block_k, 64)
+    return block_n, block_k, warps, stages
+
+
+def qkv_rope_store_applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """True when the fused kernel serves this layer: a decode-sized batch where Triton runs, and whole column
+    pairs per program (``head_dim / 2`` a multiple of half the tile)."""
+    return (use_triton(x) and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous()
+            and head_dim % 2 == 0 and (head_dim // 2) % (_launch(x, w)[0] // 2) == 0)
+
+
+def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                          cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          head_dim: int, pdl: bool = False) -> torch.Tensor:
+    """Check and launch (``pdl``: with programmatic dependent launch, from the opaque op)."""
+    m, k = x.shape
+    n = w.shape[0]
+    torch._check(m <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous() and w.shape[1] == k,
+                 lambda: f"tfs::qkv_rope_store: x {tuple(x.shape)} (at most {MAX_ROWS} rows, unit inner stride) "
+                         f"vs w {tuple(w.shape)} (contiguous)")
+    if norm_weight is not None:
+        torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(),
+                     lambda: "tfs::qkv_rope_store: norm_weight [k]")
+    # the checks of tfs::rope_store_kv, on the projection's shape
+    check_inputs(torch.empty(m, n, device="meta"), cos, sin, positions, k_cache, v_cache, slots, num_heads,
+                  num_kv_heads, head_dim)
+    block_n, block_k, warps, stages = _launch(x, w)
+    half = head_dim // 2
+    torch._check(half % (block_n // 2) == 0,
+                 lambda: f"tfs::qkv_rope_store: head_dim {head_dim} needs half a multiple of {block_n // 2}")
+    q = torch.empty(m, num_heads, head_dim, dtype=w.dtype, device=x.device)
+    nw = norm_weight if norm_weight is not None else w
+    wrap_triton(_qkv_rope_store_kernel)[(n // head_dim * (half // (block_n // 2)),)](
+        x, w, nw, cos, sin, positions, k_cache, v_cache, slots, q, m, n, k, eps,
+        x.stride(0), w.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
+        USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    return q
+
+
+@triton_op("tfs::qkv_rope_store", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_store_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                      cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> torch.Tensor:
+    """x ``[m <= 16, hidden]``; w ``[(heads + 2 * kv_heads) * head_dim, hidden]``; norm_weight ``[hidden]`` or
+    None; cos / sin / positions / caches / slots as ``tfs::rope_store_kv`` -> q ``[m, heads, head_dim]`` in w's
+    dtype (k, v written to the caches)."""
+    return launch_qkv_rope_store(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads,
+                                 num_kv_heads, head_dim)
+
+
+def qkv_rope_store_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> torch.Tensor:
+    """Plain torch: the projection as ``tfs::gemv``'s reference, then ``tfs::rope_store_kv``'s."""
+    qkv = gemv_reference(x, w, None, norm_weight, eps, False)
+    return rope_store_kv_reference(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                                   head_dim)
+
+
+register_cpu_reference(qkv_rope_store_op, qkv_rope_store_reference)
+
+
+@torch.library.custom_op("tfs::qkv_rope_store_pdl", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_store_pdl_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                          cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> torch.Tensor:
+    """``tfs::qkv_rope_store`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
+    return launch_qkv_rope_store(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads,
+                                 num_kv_heads, head_dim, pdl=True)
+
+
+@qkv_rope_store_pdl_op.register_fake
+def _qkv_rope_store_pdl_fake(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], num_heads, head_dim, dtype=w.dtype)
+
+
+def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   pdl: bool = False) -> torch.Tensor:
+    """The op where it applies (:func:`qkv_rope_store_applies`; ``pdl``: its PDL variant on CUDA), the reference
+    elsewhere."""
+    fn = torch.ops.tfs.qkv_rope_store if qkv_rope_store_applies(x, w, head_dim) else qkv_rope_store_reference
+    if pdl and x.is_cuda and fn is not qkv_rope_store_reference:
+        fn = torch.ops.tfs.qkv_rope_store_pdl
+    return fn(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
+              head_dim)
