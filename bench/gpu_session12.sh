@@ -47,3 +47,17 @@ if [ "${1:-a}" = d ]; then
     -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_d.log"
   grep -A6 "^forward wall" "$OUT/profile_8b_d.log"; grep -A13 "^one forward" "$OUT/profile_8b_d.log"
 fi
+#   e: the 8B decode step, same lease: prev/ (`git archive b749123 kernels framework bench conf`: PDL, no
+#      qkv_rope_store, no K/V prefetch), HEAD (both), HEAD with the gemvs' PDL trigger after the weight loop
+if [ "${1:-a}" = e ]; then
+  [ -d prev ] || { echo "prev/ missing"; exit 1; }
+  for run in prev head head_late; do
+    tree=.; [ $run = prev ] && tree=prev
+    late=0; [ $run = head_late ] && late=1
+    (cd $tree && TFS_PDL_LATE_TRIGGER=$late PYTHONPATH=/tmp/site:$PWD timeout 150 python3 bench/profile_gpu_decode.py \
+      --model llama3_8b_random --batch 1 --context 1024 --timeline 12 -- attention=triton \
+      "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_e_$run.log")
+    echo "$run"; grep -A6 "^forward wall" "$OUT/profile_8b_e_$run.log" | grep -v "^group\|^gemm\|^att\|^other\|^kv"
+    grep -A13 "^one forward" "$OUT/profile_8b_e_$run.log" | tail -9
+  done
+fi

@@ -18,6 +18,7 @@ sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOC
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -73,8 +74,9 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
 
 @triton.jit
 def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-              NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr):
+              LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr,
+              LATE_NORM: tl.constexpr):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order); with ``USE_PDL``, the launch's wait comes first (after an L2
     prefetch of the rows' first ``PREFETCH_K`` columns). Shared by ``tfs::gemv`` and ``tfs::qkv_rope_store``."""
@@ -88,7 +90,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
             lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
             prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
-        gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -126,6 +129,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc += dot(x, tl.trans(w), IEEE_DOT)
+    if USE_PDL and LATE_TRIGGER:  # the next kernel launches as this one's programs finish their weight rows
+        gdc_launch_dependents()
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -141,11 +146,13 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, SILU_MUL,
+    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, LATE_TRIGGER, NORM,
+                    SILU_MUL,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM).to(Y.dtype.element_ty)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if HAS_RESIDUAL:
@@ -201,7 +208,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, LATE_TRIGGER=PDL_LATE_TRIGGER, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y
@@ -218,14 +225,16 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
 # `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
 PDL_PREFETCH_K = 512
+# with PDL, let the next kernel launch after the weight loop (True) or right after the wait (False); an A/B knob
+PDL_LATE_TRIGGER = os.environ.get("TFS_PDL_LATE_TRIGGER", "0") == "1"
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
 def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
     """``tfs::gemv`` with programmatic dependent launch (CUDA, kernels/pdl.py) after an L2 prefetch of the first
-    ``PDL_PREFETCH_K`` weight columns (16-bit weights): an opaque op, which inductor calls as it is, so that the launch keeps its
-    PDL attribute inside captured graphs."""
+    ``PDL_PREFETCH_K`` weight columns (16-bit weights): an opaque op, which inductor calls as it is, so that the
+    launch keeps its PDL attribute inside captured graphs."""
     prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k)
 
