@@ -46,6 +46,11 @@ CUDA_LAUNCH = {
     "vocab": (16, 256, 4, 3),  # n >= 16k: lm_head
     "rows": (16, 256, 4, 3),
 }
+# tuning knob: TFS_GEMV_LAUNCH="square=8,1024,4,3;wide=4,512,4,3" replaces those classes' launches in this process
+# (bench/gpu_session12.sh f sweeps the 8B model's decode step with it)
+for _item in filter(None, os.environ.get("TFS_GEMV_LAUNCH", "").split(";")):
+    _name, _launch = _item.split("=")
+    CUDA_LAUNCH[_name.strip()] = tuple(int(v) for v in _launch.split(","))  # type: ignore[assignment]
 # One row with RMSNorm: scale by 1/rms(x) after the product, y = ((x * nw) @ w.T) / rms(x), with the sum of squares
 # accumulated in the weight loop, instead of a pass over x before the weight starts streaming. Faster on an H200
 # (qkv 3186 -> 3327 GB/s, gate_up 3939 -> 4104, `bench/tune_gemv.py --fused [--norm-first]`, docs/PERFORMANCE.md);
@@ -74,7 +79,7 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
 
 @triton.jit
 def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-              LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+              NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr,
               LATE_NORM: tl.constexpr):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
@@ -90,8 +95,9 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
             lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
             prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
-        if not LATE_TRIGGER:
-            gdc_launch_dependents()
+        # the next kernel may launch now: its programs wait too, and prefetch their weights meanwhile (letting it
+        # launch after the weight loop instead made the 8B step 4.48 ms instead of 3.94: docs/PERFORMANCE.md)
+        gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -129,8 +135,6 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc += dot(x, tl.trans(w), IEEE_DOT)
-    if USE_PDL and LATE_TRIGGER:  # the next kernel launches as this one's programs finish their weight rows
-        gdc_launch_dependents()
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -146,13 +150,11 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, LATE_TRIGGER, NORM,
-                    SILU_MUL,
+    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, SILU_MUL,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM).to(Y.dtype.element_ty)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if HAS_RESIDUAL:
@@ -208,7 +210,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, LATE_TRIGGER=PDL_LATE_TRIGGER, num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y
@@ -225,8 +227,6 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
 # `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
 PDL_PREFETCH_K = 512
-# with PDL, let the next kernel launch after the weight loop (True) or right after the wait (False); an A/B knob
-PDL_LATE_TRIGGER = os.environ.get("TFS_PDL_LATE_TRIGGER", "0") == "1"
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
