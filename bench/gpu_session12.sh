@@ -64,8 +64,7 @@ fi
 #   f: the 8B decode step (PDL, qkv_rope_store) with other gemv launches for o_proj (square), qkv (wide) and
 #      down (tall), TFS_GEMV_LAUNCH overriding one class at a time
 if [ "${1:-a}" = f ]; then
-  for launch in "" "square=8,1024,4,3" "square=8,512,4,3" "wide=16,512,4,3" "wide=4,512,4,3" "wide=8,1024,4,3" \
-                "tall=16,1024,4,3"; do
+  for launch in "" "square=8,1024,4,3" "wide=16,512,4,3" "wide=4,512,4,3" "tall=16,1024,4,3"; do
     TFS_GEMV_LAUNCH="$launch" timeout 90 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 \
       --context 1024 --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG \
       > "$OUT/profile_8b_f_${launch:-base}.log"
