@@ -62,12 +62,21 @@ if [ "${1:-a}" = e ]; then
   done
 fi
 #   f: the 8B decode step (PDL, qkv_rope_store) with other gemv launches for o_proj (square), qkv (wide) and
-#      down (tall), TFS_GEMV_LAUNCH overriding one class at a time
+#      down (tall), one class at a time (lease f ran at d2f8436 with a TFS_GEMV_LAUNCH environment knob in
+#      kernels/gemv.py; since replaced by profile_gpu_decode.py --gemv-launch, which this script now passes)
 if [ "${1:-a}" = f ]; then
   for launch in "" "square=8,1024,4,3" "wide=16,512,4,3" "wide=4,512,4,3" "tall=16,1024,4,3"; do
-    TFS_GEMV_LAUNCH="$launch" timeout 90 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 \
-      --context 1024 --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG \
+    timeout 90 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
+      --timeline 12 ${launch:+--gemv-launch $launch} -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+      | grep -v DEBUG \
       > "$OUT/profile_8b_f_${launch:-base}.log"
     echo "${launch:-base}: $(grep '^GPU span' "$OUT/profile_8b_f_${launch:-base}.log" | cut -c1-80)"
   done
+fi
+#   g: after the review fixes (prefetch offsets clamped to the head, uint8 mask once per step, the chain test with
+#      tfs::qkv_rope_store on every other layer): the PDL op / chain tests and the fused-kernel tests
+if [ "${1:-a}" = g ]; then
+  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
+    tests/test_kernels_qkv_rope_store.py -k "not model_tokens" > "$OUT/gpu_tests_g.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_g.log" | tail -20
 fi

@@ -44,8 +44,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
+    ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
+                    help="replace tfs::gemv launch classes (kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
+    for item in args.gemv_launch:
+        from kernels.gemv import CUDA_LAUNCH
+
+        name, launch = item.split("=")
+        if name not in CUDA_LAUNCH:
+            ap.error(f"--gemv-launch {item}: no launch class {name!r}; classes: {', '.join(CUDA_LAUNCH)}")
+        CUDA_LAUNCH[name] = tuple(int(v) for v in launch.split(","))
     engine, _, batch = decode_setup(args.model, args.mode, args.batch, args.context, 8, args.extra)
     wall = forward_times_ms(engine, batch, args.reps)
     with torch.inference_mode():

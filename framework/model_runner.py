@@ -79,8 +79,9 @@ class ModelRunner:
                  pdl: bool = False) -> None:
         self.model = model
         self.backend = backend
-        self.pdl = pdl  # compile.pdl resolved: the model's fused decode path and the backend launch with PDL
-        model.pdl = backend.pdl = pdl
+        # compile.pdl, resolved: a compiling runner's kernels launch with PDL (its eager prefill's too)
+        self.pdl = pdl and compiled
+        model.pdl = backend.pdl = self.pdl
         self.compiled = compiled
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards

@@ -18,7 +18,6 @@ sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOC
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -46,11 +45,6 @@ CUDA_LAUNCH = {
     "vocab": (16, 256, 4, 3),  # n >= 16k: lm_head
     "rows": (16, 256, 4, 3),
 }
-# tuning knob: TFS_GEMV_LAUNCH="square=8,1024,4,3;wide=4,512,4,3" replaces those classes' launches in this process
-# (bench/gpu_session12.sh f sweeps the 8B model's decode step with it)
-for _item in filter(None, os.environ.get("TFS_GEMV_LAUNCH", "").split(";")):
-    _name, _launch = _item.split("=")
-    CUDA_LAUNCH[_name.strip()] = tuple(int(v) for v in _launch.split(","))  # type: ignore[assignment]
 # One row with RMSNorm: scale by 1/rms(x) after the product, y = ((x * nw) @ w.T) / rms(x), with the sum of squares
 # accumulated in the weight loop, instead of a pass over x before the weight starts streaming. Faster on an H200
 # (qkv 3186 -> 3327 GB/s, gate_up 3939 -> 4104, `bench/tune_gemv.py --fused [--norm-first]`, docs/PERFORMANCE.md);

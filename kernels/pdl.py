@@ -5,10 +5,13 @@ them get no-op stand-ins (and :data:`HAS_GDC` False).
 
 Rules for a kernel with a ``USE_PDL`` switch (every launch with PDL relies on all of them):
 - nothing is written before ``gdc_wait`` (the kernel before may still read the memory);
-- before ``gdc_wait`` it reads only what no kernel of the step writes (weights) or what was written before the
-  kernel just before it started (the batch's metadata): that kernel waited for its own predecessor before it let
-  this one launch;
-- ``gdc_launch_dependents`` comes after ``gdc_wait``, so the rule above holds for the next kernel too.
+- every program calls ``gdc_wait`` and only then ``gdc_launch_dependents``, and none returns before that (a
+  program that exits counts as having let the next kernel launch);
+- before ``gdc_wait`` it reads only what no kernel of the step writes (weights, the KV cache of earlier steps) or
+  what was written before the kernel just before it started (the batch's metadata). That holds when the kernel
+  before is one of ours (it waited for its own predecessor before it let this one launch) or a plain launch (it
+  started after everything before it finished); not after a kernel that lets its dependents launch before its
+  own wait (inductor's own PDL kernels, ``torch._inductor.config.triton.enable_pdl``, which we do not turn on).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.dispatch import INTERPRET  # the interpreter cannot run the wait's inline PTX
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -46,8 +51,8 @@ def prefetch_l2(ptrs):
 
 def pdl_supported(device: torch.device) -> bool:
     """True when kernels on ``device`` can be launched with PDL: a CUDA GPU of compute capability 9.0 or later and
-    a Triton with grid dependency control."""
-    return HAS_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    a Triton with grid dependency control, kernels not interpreted."""
+    return HAS_GDC and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 __all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported", "prefetch_l2"]

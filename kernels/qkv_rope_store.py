@@ -5,7 +5,8 @@ Each program computes ``BLOCK_N`` columns of the projection for all rows (the ge
 :func:`kernels.gemv.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
 columns of one head's first half and their partners ``HALF`` columns later. The epilogue rounds the projection to
 the weight's dtype (as ``tfs::gemv`` stores it), rotates q and k heads in float32 at each row's position, and writes
-q to the returned tensor, k and v to their slots of the caches: the same values, bit for bit, as the two kernels.
+q to the returned tensor, k and v to their slots of the caches: the roundings of the two kernels (the compiler may
+contract the rotation's multiply-adds differently, a last-bit difference in q and k).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
 from kernels.gemv import LATE_NORM, MAX_ROWS, PDL_PREFETCH_K, gemv_reference, gemv_tile, launch_params
+from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
@@ -94,8 +96,8 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(),
                      lambda: "tfs::qkv_rope_store: norm_weight [k]")
     # the checks of tfs::rope_store_kv, on the projection's shape
-    check_inputs(torch.empty(m, n, device="meta"), cos, sin, positions, k_cache, v_cache, slots, num_heads,
-                  num_kv_heads, head_dim)
+    check_inputs((m, n), 1, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+    torch._check(not pdl or HAS_GDC, lambda: "tfs::qkv_rope_store: pdl needs a Triton with grid dependency control")
     block_n, block_k, warps, stages = _launch(x, w)
     half = head_dim // 2
     torch._check(half % (block_n // 2) == 0,

@@ -10,7 +10,7 @@ rotation in float32, rounded to qkv's dtype, and only then (k) cast to the cache
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -18,7 +18,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.pdl import gdc_launch_dependents, gdc_wait
+from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -62,16 +62,16 @@ def _rope_store_kv_kernel(
         tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
 
 
-def check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int) -> None:
-    """The argument checks of ``tfs::rope_store_kv`` (shapes, strides); each failure is one line naming the
-    argument."""
-    n, width = qkv.shape
+def check_inputs(qkv_shape: Sequence[int], qkv_inner_stride: int, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """The argument checks of ``tfs::rope_store_kv`` (shapes, strides; the projection's by its shape and inner
+    stride); each failure is one line naming the argument."""
+    n, width = qkv_shape
     half = head_dim // 2
     torch._check(head_dim % 2 == 0, lambda: f"tfs::rope_store_kv: head_dim {head_dim} must be even")
-    torch._check(width == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(-1) == 1,
-                 lambda: f"tfs::rope_store_kv: qkv {tuple(qkv.shape)} vs heads {num_heads}+2*{num_kv_heads} "
+    torch._check(width == (num_heads + 2 * num_kv_heads) * head_dim and qkv_inner_stride == 1,
+                 lambda: f"tfs::rope_store_kv: qkv {tuple(qkv_shape)} vs heads {num_heads}+2*{num_kv_heads} "
                          f"of {head_dim}, unit inner stride")
     for name, t in (("cos", cos), ("sin", sin)):
         torch._check(t.dim() == 2 and t.shape[1] == half and t.stride(-1) == 1,
@@ -89,8 +89,10 @@ def check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
 def launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
-    """Check and launch (``pdl``: with programmatic dependent launch, outside traced code: kernels/pdl_ops.py)."""
-    check_inputs(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim)
+    """Check and launch (``pdl``: with programmatic dependent launch, from the opaque op; kernels/pdl.py)."""
+    check_inputs(qkv.shape, qkv.stride(-1), cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                 head_dim)
+    torch._check(not pdl or HAS_GDC, lambda: "tfs::rope_store_kv: pdl needs a Triton with grid dependency control")
     n = qkv.shape[0]
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels.online_softmax import dot, online_softmax_step
-from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
+from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 
 LOG2E = 1.4426950408889634
 
@@ -105,7 +105,7 @@ def _split_kv_partial_kernel(
         # LINE elements of each K / V row
         j = start + tl.arange(0, BLOCK_N)
         old = tl.where(j < tl.minimum(end, seq_len - Q_LEN), tl.load(slot_row + j, mask=j < end, other=0), 0)
-        lines = tl.arange(0, BLOCK_D // LINE) * LINE
+        lines = tl.minimum(tl.arange(0, BLOCK_D // LINE) * LINE, HEAD_DIM - 1)  # within the head's row
         prefetch_l2(K_cache + old[:, None] * stride_ks + kv_head * stride_kh + lines[None, :])
         prefetch_l2(V_cache + old[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
         gdc_wait()
@@ -224,10 +224,14 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = custom_mask is not None
-    # NOTE: a converting copy, not .view(torch.uint8): inductor (torch 2.11) cannot lower a bool->uint8 bitcast
-    mask = custom_mask.to(torch.uint8).contiguous() if has_mask else seq_lens  # seq_lens: an unused stand-in
+    mask = seq_lens  # an unused stand-in without a mask
+    if has_mask:  # the kernel reads bytes; attention=triton converts once per step (TritonBackend.init_metadata)
+        # NOTE: a converting copy, not .view(torch.uint8): inductor (torch 2.11) cannot lower a bool->uint8 bitcast
+        u8 = custom_mask.dtype == torch.uint8 and custom_mask.is_contiguous()
+        mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
     mask_width = custom_mask.shape[2] if has_mask else 0
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
+    torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
     pdl_launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
@@ -256,7 +260,8 @@ def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     """Plain torch (float32 math, no host sync, compile-friendly): the definition the kernels are tested against.
 
     Keys are positions ``[0, req_to_token.shape[1])`` of each request, visible when ``< seq_len`` and allowed by
-    the causal rule (no mask) or by ``custom_mask`` ``[bs, q_len, mask_width]`` over the last ``mask_width`` keys.
+    the causal rule (no mask) or by ``custom_mask`` ``[bs, q_len, mask_width]`` (bool, or uint8 0 / 1) over the
+    last ``mask_width`` keys.
     """
     n, heads, dim = q.shape
     bs = req_pool_indices.shape[0]
@@ -273,7 +278,7 @@ def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:
         mask_width = custom_mask.shape[2]
         rel = j - (seq - mask_width)  # [bs, 1, width]
-        gathered = torch.gather(custom_mask, 2, rel.clamp(0, mask_width - 1).expand(bs, q_len, width))
+        gathered = torch.gather(custom_mask, 2, rel.clamp(0, mask_width - 1).expand(bs, q_len, width)).bool()
         allowed = (rel < 0) | ((j < seq) & gathered)
     qf = q.float().view(bs, q_len, kv_heads, heads // kv_heads, dim)
     scores = torch.einsum("btkgd,bjkd->bkgtj", qf, k) * scale  # [bs, kv_heads, group, q_len, width]

@@ -184,7 +184,8 @@ def check_merge_ignores_stale_partials(device: str) -> None:
         mid_o, mid_lse, out, seq, 1, max_splits, max_splits, 16,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
-        BLOCK_S=triton.next_power_of_2(max_splits * 2), USE_PDL=False, num_warps=4)  # BLOCK_S > max_splits: masked loads too
+        BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
+        USE_PDL=False, num_warps=4)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 

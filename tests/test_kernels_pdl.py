@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py, ``compile.pdl``): each ``tfs::*_pdl`` op gives bit for bit what
 its plain op gives, alone and chained in a compiled CUDA graph (where a kernel that read its predecessor's output
-before ``gdc_wait`` would read stale memory), and a model decodes, plainly and speculatively, the same tokens with
+before ``gdc_wait`` could read stale memory), and a model decodes, plainly and speculatively, the same tokens with
 PDL on and off.
 
 CPU: how ``compile.pdl`` resolves. GPU (``pytest -m gpu``; the PDL cases need compute capability >= 9.0): the rest.
@@ -16,6 +16,7 @@ from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
 from kernels.gemv import gemv
 from kernels.pdl import pdl_supported
+from kernels.qkv_rope_store import qkv_rope_store
 from kernels.rope_store import rope_store_kv
 from kernels.split_kv_attention import split_policy
 from kernels.verify_attention import verify_attention
@@ -83,9 +84,10 @@ def test_pdl_ops_equal_plain_ops() -> None:
 @pytest.mark.gpu
 @needs_pdl
 def test_pdl_chain_in_a_cuda_graph_equals_plain() -> None:
-    """Four decoder-layer-shaped steps (qkv with RMSNorm, rope + K/V store, split-K decode, o with residual, the
-    MLP's two gemvs), each kernel reading what the one before wrote: every replay's output and KV cache are
-    bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with PDL and without."""
+    """Four decoder-layer-shaped steps (qkv with RMSNorm and RoPE + K/V store, as two kernels or one; split-K
+    decode; o with residual; the MLP's two gemvs), each kernel reading what the one before wrote: every replay's
+    output and KV cache are bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with
+    PDL and without."""
     from framework.kv import KVPool
 
     hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
@@ -111,8 +113,13 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain() -> None:
 
         def step(x: torch.Tensor, pool=pool, pdl=pdl) -> torch.Tensor:
             for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
-                qkv = gemv(x, w_qkv, norm_weight=norms[0], eps=1e-5, pdl=pdl)
-                q = rope_store_kv(qkv, cos, sin, positions, pool.k[i], pool.v[i], slots, heads, kv_heads, dim, pdl)
+                if i % 2:  # the projection, RoPE and the K/V store in one kernel, as attention=triton runs them
+                    q = qkv_rope_store(x, w_qkv, norms[0], 1e-5, cos, sin, positions, pool.k[i], pool.v[i], slots,
+                                       heads, kv_heads, dim, pdl)
+                else:
+                    qkv = gemv(x, w_qkv, norm_weight=norms[0], eps=1e-5, pdl=pdl)
+                    q = rope_store_kv(qkv, cos, sin, positions, pool.k[i], pool.v[i], slots, heads, kv_heads, dim,
+                                      pdl)
                 attn = decode_attention(q, pool.k[i], pool.v[i], table, rpi, seq, dim ** -0.5, *policy, pdl=pdl)
                 x = gemv(attn.reshape(x.shape[0], heads * dim), w_o, residual=x, pdl=pdl)
                 h = gemv(x, w_gu, norm_weight=norms[1], eps=1e-5, pdl=pdl)

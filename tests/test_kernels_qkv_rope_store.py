@@ -13,7 +13,7 @@ import torch
 
 from kernels.dispatch import interpreter_active
 from kernels.gemv import gemv
-from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_reference
+from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies, qkv_rope_store_reference
 from kernels.rope_store import rope_store_kv
 from tests.test_kernels_attention import run_interpreted, run_opcheck_without_interpreter
 from tests.test_kernels_rope_store import rope_args
@@ -39,6 +39,7 @@ def check(args: tuple, tol: float) -> None:
     """The fused kernel against (a) gemv + rope_store_kv, the two kernels it replaces: q and k within ``tol`` (the
     same roundings; a compiler may contract the rotation differently), v exact; (b) the plain-torch reference."""
     x, w, nw, eps, cos, sin, pos, k_cache, v_cache, slots, heads, kv_heads, dim = args
+    assert qkv_rope_store_applies(x, w, dim)  # the kernel runs, not the reference
     two_k, two_v, ref_k, ref_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     q = qkv_rope_store(*args)
     two_q = rope_store_kv(gemv(x, w, norm_weight=nw, eps=eps), cos, sin, pos, two_k, two_v, slots, heads, kv_heads,
@@ -97,6 +98,7 @@ def test_qkv_rope_store_pdl_gpu() -> None:
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0")
     args = fused_args(1, 32, 8, 128, 4096, True, "cuda", torch.bfloat16, seed=3)
+    assert qkv_rope_store_applies(args[0], args[1], 128)
     caches = args[7].clone(), args[8].clone()
     q = qkv_rope_store(*args, pdl=True)
     pdl_caches = args[7].clone(), args[8].clone()

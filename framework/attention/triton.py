@@ -38,7 +38,7 @@ class TritonMetadata:
     seq_lens: torch.Tensor  # [bs] keys of each request after this forward
     q_len: int  # uniform modes: tokens per request; EXTEND: the longest request's new tokens
     split_policy: tuple[int, int, int]  # (max_splits, target_programs, min_split_len) of the split-K kernel
-    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] bool over each request's last keys
+    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] uint8 (0 / 1) over each request's last keys
     q_starts: Optional[torch.Tensor] = None  # EXTEND: [bs] first flat token of each request
     q_lens: Optional[torch.Tensor] = None  # EXTEND: [bs] new tokens of each request
 
@@ -91,8 +91,10 @@ class TritonBackend(AttentionBackend):
     def init_metadata(self, batch: ForwardBatch) -> TritonMetadata:
         table = self.allocator.req_to_token
         if batch.mode.uniform:
+            # the kernel reads the mask as bytes: converted once per step here, not once per layer in the graph
+            mask = batch.custom_mask.to(torch.uint8) if batch.custom_mask is not None else None
             return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
-                                  self.policy(batch.q_len), batch.custom_mask)
+                                  self.policy(batch.q_len), mask)
         if batch.custom_mask is not None:
             raise NotImplementedError("attention=triton: EXTEND with a custom mask (masks are for uniform modes)")
         lens = list(batch.extend_lens_cpu)

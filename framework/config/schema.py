@@ -68,8 +68,8 @@ class CompileConfig:
     # opt-in: after one fully guarded call per input signature, later calls skip dynamo's guard evaluation
     # (process-wide skip_guard_eval_unsafe stance: other torch.compile'd code in the process is affected too)
     skip_guards: bool = False
-    # programmatic dependent launch of the decode path's kernels (kernels/pdl.py): auto (on where supported: CUDA
-    # compute capability >= 9.0 and a Triton with grid dependency control) | on | off
+    # programmatic dependent launch of a compiled model's Triton kernels (kernels/pdl.py): auto (on where supported:
+    # CUDA compute capability >= 9.0 and a Triton with grid dependency control) | on | off
     pdl: str = "auto"
 
 
