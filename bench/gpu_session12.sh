@@ -6,46 +6,46 @@ set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+# gpu_tests LOG SECONDS PYTEST_ARGS...: the GPU tests, their verdict lines printed
+gpu_tests() {
+  local log=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short "$@" > "$OUT/$log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/$log" | tail -40
+}
+# profile_8b NAME SECONDS [HYDRA_OVERRIDES...]: the 8B decode step at batch 1, 1k context, attention=triton
+profile_8b() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
+    --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" "$@" 2>&1 | grep -v DEBUG \
+    > "$OUT/profile_8b_$name.log"
+  grep -A6 "^forward wall" "$OUT/profile_8b_$name.log"; grep -A13 "^one forward" "$OUT/profile_8b_$name.log"
+}
 if [ "${1:-a}" = a ]; then
-  timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_gemv.py \
-    "tests/test_kernels_attention.py::test_merge_ignores_stale_partials_on_cuda" > "$OUT/gpu_tests_a.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_a.log" | tail -24
-  timeout 180 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
-    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_a.log"
-  grep -A6 "^forward wall" "$OUT/profile_8b_a.log"; grep -A13 "^one forward" "$OUT/profile_8b_a.log"
+  gpu_tests gpu_tests_a.log 240 tests/test_kernels_gemv.py \
+    "tests/test_kernels_attention.py::test_merge_ignores_stale_partials_on_cuda"
+  profile_8b a 180
 fi
 #   b: PDL ops (compile.pdl): op and chain tests, then the 8B decode step with compile.pdl=off / on
 if [ "${1:-a}" = b ]; then
-  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
-    -k "ops_equal or chain" > "$OUT/gpu_pdl_b.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_pdl_b.log" | tail -24
+  gpu_tests gpu_pdl_b.log 200 tests/test_kernels_pdl.py -k "ops_equal or chain"
   for pdl in off on; do
-    timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
-      --timeline 12 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" compile.pdl=$pdl 2>&1 | grep -v DEBUG \
-      > "$OUT/profile_8b_b_$pdl.log"
-    echo "compile.pdl=$pdl"; grep -A6 "^forward wall" "$OUT/profile_8b_b_$pdl.log"
-    grep -A13 "^one forward" "$OUT/profile_8b_b_$pdl.log"
+    echo "compile.pdl=$pdl"; profile_8b "b_$pdl" 170 compile.pdl=$pdl
   done
 fi
 #   c: after the float32 scalar casts (eps, scale): the PDL tests (ops, chain eager / compiled / PDL, model tokens
 #      plain and speculative), the attention and gemv GPU tests
 if [ "${1:-a}" = c ]; then
-  timeout 560 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
-    tests/test_kernels_attention.py tests/test_kernels_gemv.py > "$OUT/gpu_tests_c.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_c.log" | tail -40
+  gpu_tests gpu_tests_c.log 560 tests/test_kernels_pdl.py tests/test_kernels_attention.py tests/test_kernels_gemv.py
 fi
 #   d: tfs::qkv_rope_store (qkv projection + RoPE + K/V store in one kernel) and the L2 prefetch of the split's
 #      first K/V tile before the PDL wait: GPU tests, then the 8B decode step
 if [ "${1:-a}" = d ]; then
-  timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_qkv_rope_store.py \
+  gpu_tests gpu_tests_d.log 330 tests/test_kernels_qkv_rope_store.py \
     tests/test_kernels_pdl.py::test_pdl_ops_equal_plain_ops \
     tests/test_kernels_pdl.py::test_pdl_chain_in_a_cuda_graph_equals_plain \
     "tests/test_kernels_gemv.py::test_fused_decode_same_tokens_as_unfused[smollm2_135m_random]" \
-    "tests/test_kernels_pdl.py::test_model_tokens_same_with_pdl_on_and_off[spec2]" > "$OUT/gpu_tests_d.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_d.log" | tail -30
-  timeout 170 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
-    -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v DEBUG > "$OUT/profile_8b_d.log"
-  grep -A6 "^forward wall" "$OUT/profile_8b_d.log"; grep -A13 "^one forward" "$OUT/profile_8b_d.log"
+    "tests/test_kernels_pdl.py::test_model_tokens_same_with_pdl_on_and_off[spec2]"
+  profile_8b d 170
 fi
 #   e: the 8B decode step, same lease: prev/ (`git archive b749123 kernels framework bench conf`: PDL, no
 #      qkv_rope_store, no K/V prefetch), HEAD (both), HEAD with the gemvs' PDL trigger after the weight loop
@@ -68,15 +68,14 @@ if [ "${1:-a}" = f ]; then
   for launch in "" "square=8,1024,4,3" "wide=16,512,4,3" "wide=4,512,4,3" "tall=16,1024,4,3"; do
     timeout 90 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
       --timeline 12 ${launch:+--gemv-launch $launch} -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
-      | grep -v DEBUG \
-      > "$OUT/profile_8b_f_${launch:-base}.log"
-    echo "${launch:-base}: $(grep '^GPU span' "$OUT/profile_8b_f_${launch:-base}.log" | cut -c1-80)"
+      | grep -v DEBUG > "$OUT/profile_8b_f_${launch//[=,]/_}.log"  # no '=' or ',' in names: they come back
+    echo "${launch:-base}: $(grep '^GPU span' "$OUT/profile_8b_f_${launch//[=,]/_}.log" | cut -c1-80)"
   done
 fi
 #   g: after the review fixes (prefetch offsets clamped to the head, uint8 mask once per step, the chain test with
-#      tfs::qkv_rope_store on every other layer): the PDL op / chain tests and the fused-kernel tests
+#      tfs::qkv_rope_store on every other layer): the PDL op / chain tests, the fused-kernel tests, the attention
+#      tests, and tree speculation (uint8 masks) with PDL on and off
 if [ "${1:-a}" = g ]; then
-  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short tests/test_kernels_pdl.py \
-    tests/test_kernels_qkv_rope_store.py -k "not model_tokens" > "$OUT/gpu_tests_g.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/gpu_tests_g.log" | tail -20
+  gpu_tests gpu_tests_g.log 400 tests/test_kernels_pdl.py tests/test_kernels_qkv_rope_store.py \
+    tests/test_kernels_attention.py -k "not model_tokens or spec2"
 fi

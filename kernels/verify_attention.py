@@ -22,8 +22,8 @@ def verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor],
                         q_len: int, scale: float, max_splits: int, target_programs: int,
                         min_split_len: int) -> torch.Tensor:
-    """q ``[bs * q_len, heads, dim]`` (request-major); custom_mask ``[bs, q_len, mask_width]`` bool (or uint8 0 / 1) or None;
-    seq_lens ``[bs]``: keys after this forward -> ``[bs * q_len, heads, dim]`` (q's dtype)."""
+    """q ``[bs * q_len, heads, dim]`` (request-major); custom_mask ``[bs, q_len, mask_width]`` bool (or uint8 0 /
+    1) or None; seq_lens ``[bs]``: keys after this forward -> ``[bs * q_len, heads, dim]`` (q's dtype)."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
                                      q_len, scale, max_splits, target_programs, min_split_len)
 

@@ -130,6 +130,28 @@ def test_verify_matches_reference(q_len, mask_width, page_size):
     check_split_kv(6, 2, 16, page_size, [12, 40, 130], q_len, mask_width, MANY_SPLITS, seed=q_len + page_size)
 
 
+def verify_with_byte_mask(fn) -> None:
+    """``fn`` (the verify op or its reference) gives the same output for a tree mask as bool and as uint8 0 / 1
+    (attention=triton converts the mask once per step: TritonBackend.init_metadata)."""
+    table, rpi, num_slots = paged_table([12, 40], 4, 48, "cpu", 21)
+    k_cache, v_cache = random_pool(num_slots, 2, 16, torch.float32, "cpu", 22)
+    q = torch.randn(2 * 3, 4, 16, generator=torch.Generator().manual_seed(23))
+    mask = tree_mask(2, 3, 6, 24)
+    args = (q, k_cache, v_cache, table, rpi, torch.tensor([12, 40]))
+    as_bool = fn(*args, mask, 3, 0.25, *MANY_SPLITS)
+    assert torch.equal(fn(*args, mask.to(torch.uint8), 3, 0.25, *MANY_SPLITS), as_bool)
+    assert not torch.equal(fn(*args, torch.ones_like(mask), 3, 0.25, *MANY_SPLITS), as_bool)  # the mask matters
+
+
+@interpreted
+def test_verify_kernel_takes_a_byte_mask_interpreted():
+    verify_with_byte_mask(verify_attention)
+
+
+def test_verify_reference_takes_a_byte_mask():
+    verify_with_byte_mask(verify_attention_reference)
+
+
 @interpreted
 def test_verify_tiles_many_query_rows():
     """q_len * group = 96 rows: the rows of one KV head span two tiles."""
