@@ -1,7 +1,6 @@
 """Decode attention on a CUDA GPU: the Triton split-K kernel of ``attention=triton`` against FlexAttention over the
 paged pool (``attention=flex``'s path: gather through req_to_token, then flex_attention, compiled per shape) and
-torch SDPA's flash backend on a contiguous cache (the Triton kernel also with its merge as a second kernel, as
-without merge counters); achieved K/V bandwidth against the measured device copy
+torch SDPA's flash backend on a contiguous cache; achieved K/V bandwidth against the measured device copy
 bandwidth; and verify (8 tokens per request, tree mask) against decode.
 
     python bench/bench_attention.py                                   # Llama-3-8B attention shape, ~3 min on H200
@@ -121,17 +120,12 @@ def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int,
     ones = torch.ones_like(seq)
     tiles = block_tiles(seq, ones, 1, context, None)
     policy = split_policy(torch.device("cuda"), 1)
-    counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")  # the merge in the partial kernel
-    triton_fn = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq, SCALE, *policy,  # noqa
-                                                       counters)
-    two_kernels = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq, SCALE, *policy)  # noqa
+    triton_fn = lambda: torch.ops.tfs.decode_attention(q, k_pool, v_pool, table, rpi, seq, SCALE, *policy)  # noqa
     flex_call = lambda: flex_fn(q, k_pool, v_pool, table, seq, ones, *tiles)  # noqa: E731
     sdpa_fn = lambda: sdpa_flash(q, k, v)  # noqa: E731
     ref = sdpa_fn()
     check("triton decode", triton_fn(), ref)
-    check("triton decode, merge kernel", two_kernels(), ref)
-    row = {"triton": time_us(triton_fn, repeat), "two_kernels": time_us(two_kernels, repeat),
-           "sdpa": time_us(sdpa_fn, repeat)}
+    row = {"triton": time_us(triton_fn, repeat), "sdpa": time_us(sdpa_fn, repeat)}
     try:  # torch 2.11's flex template fails to compile for > 2^31-element gathers (int32/int64 index mix)
         check("flex decode", flex_call(), ref)
         row["flex"] = time_us(flex_call, repeat)
@@ -180,15 +174,13 @@ def main() -> None:
 
     print(f"\ndecode attention, {HEADS} q / {KV_HEADS} kv heads, head_dim {DIM}, bf16, {torch.cuda.get_device_name()}; "
           f"device copy {copy_gbs:.0f} GB/s (read + write)")
-    print("triton: the merge in the partial kernel (attention=triton's decode); +merge: the merge as a second kernel")
-    print(f"{'page':>4} {'batch':>5} {'context':>7} {'KV MB':>7} | {'triton us':>9} {'GB/s':>6} {'/copy':>5} "
-          f"{'+merge us':>9} | {'flex us':>8} {'GB/s':>6} | {'sdpa-flash us':>13} {'GB/s':>6} | {'verify8 us':>10} "
-          f"{'/decode':>7}")
+    print(f"{'page':>4} {'batch':>5} {'context':>7} {'KV MB':>7} | {'triton us':>9} {'GB/s':>6} {'/copy':>5} | "
+          f"{'flex us':>8} {'GB/s':>6} | {'sdpa-flash us':>13} {'GB/s':>6} | {'verify8 us':>10} {'/decode':>7}")
     for page_size, bs, context, kv_bytes, r in rows:
         gbs = {name: kv_bytes / r[name] / 1e3 for name in ("triton", "flex", "sdpa")}
         verify = f"{r['verify']:>10.1f} {r['verify'] / r['triton']:>7.2f}" if "verify" in r else f"{'':>10} {'':>7}"
         print(f"{page_size:>4} {bs:>5} {context:>7} {kv_bytes / 1e6:>7.0f} | {r['triton']:>9.1f} {gbs['triton']:>6.0f} "
-              f"{gbs['triton'] / copy_gbs:>5.2f} {r['two_kernels']:>9.1f} | {r['flex']:>8.1f} {gbs['flex']:>6.0f} | {r['sdpa']:>13.1f} "
+              f"{gbs['triton'] / copy_gbs:>5.2f} | {r['flex']:>8.1f} {gbs['flex']:>6.0f} | {r['sdpa']:>13.1f} "
               f"{gbs['sdpa']:>6.0f} | {verify}")
 
 

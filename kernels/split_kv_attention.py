@@ -3,10 +3,9 @@ tokens (DECODE: 1; TARGET_VERIFY / DRAFT_*: the draft tokens) that attend to the
 read through ``req_to_token``, causally or through a custom mask over the last ``mask_width`` keys.
 
 Stage 1 splits each request's keys across up to ``max_splits`` programs, so that one long request still fills the
-GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials: a second kernel, or
-for a decode with merge counters the last program of each (request, KV head) (:mod:`kernels.split_kv_merge`). The
-number of splits is decided on the device from the request's length and the batch size (never read back by the
-host), so one captured graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
+GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials. The number of splits is
+decided on the device from the request's length and the batch size (never read back by the host), so one captured
+graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
 request are processed together as the rows of one tile: K/V are read once per KV head. Within a split, whole tiles
 of keys that every row sees go through a loop without masking; only the tail (the last partial tile, and the keys
 under the causal rule or the custom mask) pays for the checks.
@@ -26,9 +25,16 @@ from torch.library import wrap_triton
 
 from kernels.online_softmax import dot, online_softmax_step
 from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
-from kernels.split_kv_merge import _split_kv_reduce_kernel, merge_block_s, merge_partials, num_kv_splits
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len):
+    """Splits for one request: enough programs to fill the device, none shorter than ``min_split_len`` keys."""
+    by_length = tl.cdiv(seq_len, min_split_len)
+    by_occupancy = tl.cdiv(target_programs, programs_per_split)
+    return tl.maximum(tl.minimum(tl.minimum(by_length, by_occupancy), max_splits), 1)
 
 
 @triton.jit
@@ -64,14 +70,13 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
 
 @triton.jit
 def _split_kv_partial_kernel(
-    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mid_o, Mid_lse, Out, Counters,
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mid_o, Mid_lse,
     scale_log2e, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, stride_mb, stride_mt,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_S: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -81,7 +86,7 @@ def _split_kv_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + b)
-    n_splits = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -134,17 +139,40 @@ def _split_kv_partial_kernel(
     tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
              acc / l_safe[:, None], mask=store_ok[:, None] & d_ok[None, :])
     tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
-    if FUSED_MERGE:  # decode (one m-block): the last of the request's programs for this KV head merges its rows
-        if split < n_splits:
-            tl.debug_barrier()  # every thread's partial stores come before the release below
-            counter = Counters + b * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # acquire: the others' partials
-            if arrived == n_splits - 1:
-                g = tl.arange(0, MERGE_ROWS)
-                merge_partials(Mid_o, Mid_lse, Out, b + g * 0, kv_head * GROUP + g, g < GROUP, n_splits, n_splits,
-                               stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
-                               HEAD_DIM, BLOCK_D, MERGE_S)
-                tl.store(counter, 0)  # every program of this launch has counted: ready for the next one
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    Mid_o, Mid_lse, Out, Seq_lens,
+    programs_per_split, max_splits, target_programs, min_split_len,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
+    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # grid: (num_tokens, heads)
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    # every split's slot is loaded at once with the request's length (one memory round trip, not two); the slots
+    # of splits this request did not use hold stale values and are dropped by the where's below
+    in_buf = s < max_splits
+    seq_len = tl.load(Seq_lens + token // Q_LEN)
+    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
+    lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
+    o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=in_buf[:, None] & d_ok[None, :], other=0.0)
+    s_ok = s < _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    lse = tl.where(s_ok, lse, float("-inf"))
+    o = tl.where(s_ok[:, None], o, 0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 # Chosen with bench/tune_split_kv.py on an H200 (docs/PERFORMANCE.md): programs per SM that the split count aims at
@@ -178,13 +206,10 @@ def _tile_rows(rows: int) -> tuple[int, int]:
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                               custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
-                              target_programs: int, min_split_len: int, pdl: bool = False,
-                              merge_counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                              target_programs: int, min_split_len: int, pdl: bool = False) -> torch.Tensor:
     """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
-    in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: with
-    programmatic dependent launch (from an opaque op: kernels/pdl.py). ``merge_counters``: int32, all zero, at
-    least ``bs * kv_heads``: a decode merges inside the partial kernel (one kernel; :mod:`kernels.split_kv_merge`)
-    and leaves them zero; without them, or for several tokens per request, the merge is a second kernel."""
+    in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: both
+    with programmatic dependent launch (from an opaque op: kernels/pdl.py)."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -208,26 +233,16 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    fused = merge_counters is not None and q_len == 1 and merge_counters.numel() >= bs * kv_heads
-    if fused:
-        torch._check(merge_counters.dtype == torch.int32 and merge_counters.is_contiguous(),
-                     lambda: "split-K attention: merge_counters must be contiguous int32")
-    counters = merge_counters if fused else seq_lens  # an unused stand-in without the fused merge
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse, out, counters,
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, USE_PDL=pdl,
-        LINE=min(block_d, 128 // k_cache.element_size()), FUSED_MERGE=fused,
-        MERGE_ROWS=triton.next_power_of_2(group), MERGE_S=merge_block_s(group, block_d, max_splits),
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
-    if fused:
-        return out
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -64,10 +64,8 @@ def tree_mask(bs: int, q_len: int, width: int, seed: int) -> torch.Tensor:
 
 def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens: list[int], q_len: int,
                    mask_width, policy: tuple[int, int, int], device: str = "cpu",
-                   dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0,
-                   fused_merge: bool = False) -> None:
-    """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal. ``fused_merge``:
-    a decode merges in its partial kernel (merge counters given), and leaves the counters zero."""
+                   dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0) -> None:
+    """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal."""
     width = max(seq_lens) + 5
     table, rpi, num_slots = paged_table(seq_lens, page_size, width, device, seed)
     k_cache, v_cache = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
@@ -76,9 +74,7 @@ def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens
     seq = torch.tensor(seq_lens, device=device)
     scale = dim ** -0.5
     if q_len == 1 and mask_width is None:
-        counters = torch.zeros(bs * kv_heads + 3, dtype=torch.int32, device=device) if fused_merge else None
-        out = decode_attention(q, k_cache, v_cache, table, rpi, seq, scale, *policy, merge_counters=counters)
-        assert not fused_merge or not counters.any(), counters
+        out = decode_attention(q, k_cache, v_cache, table, rpi, seq, scale, *policy)
         ref = decode_attention_reference(q, k_cache, v_cache, table, rpi, seq, scale, *policy)
     else:
         mask = None if mask_width is None else tree_mask(bs, q_len, mask_width, seed + 3).to(device)
@@ -124,43 +120,6 @@ def test_store_kv_writes_the_slots_and_nothing_else():
 ])
 def test_decode_matches_reference(heads, kv_heads, dim, page_size, policy):
     check_split_kv(heads, kv_heads, dim, page_size, [1, 17, 64, 250], 1, None, policy, seed=heads + page_size)
-
-
-@interpreted
-@pytest.mark.parametrize("heads,kv_heads,dim,page_size,policy,merge_tile", [
-    (6, 2, 16, 16, MANY_SPLITS, None),  # GQA group 3: rows not a power of two
-    (4, 4, 16, 1, MANY_SPLITS, 16),  # one split per merge pass (a small merge tile): the online merge
-    (8, 2, 24, 16, ONE_SPLIT, None),  # head_dim not a power of two; one split
-    (4, 1, 32, 4, (3, 1024, 1), 64),  # MQA; two splits per pass, 3 splits (the last pass half used)
-])
-def test_decode_fused_merge_matches_reference(heads, kv_heads, dim, page_size, policy, merge_tile, monkeypatch):
-    """With merge counters the last program of each (request, KV head) merges: same output as the reference, and
-    the counters are zero again (run twice: the second call relies on that)."""
-    import kernels.split_kv_merge as merge
-
-    if merge_tile:
-        monkeypatch.setattr(merge, "MERGE_TILE", merge_tile)
-    for seed in (0, 1):
-        check_split_kv(heads, kv_heads, dim, page_size, [1, 17, 64, 250], 1, None, policy, seed=seed,
-                       fused_merge=True)
-
-
-@interpreted
-def test_decode_fused_merge_is_done_by_the_last_program():
-    """Counters that do not start at zero make every program think it is not the last: no row is merged (so the
-    tests above do run the merge in the partial kernel)."""
-    table, rpi, slots = paged_table([40, 90], 4, 96, "cpu", 12)
-    k_cache, v_cache = random_pool(slots, 2, 16, torch.float32, "cpu", 13)
-    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(14))
-    args = (q, k_cache, v_cache, table, rpi, torch.tensor([40, 90]), 0.25, *MANY_SPLITS)
-    expected = decode_attention_reference(*args)
-    counters = torch.zeros(4, dtype=torch.int32)
-    torch.testing.assert_close(decode_attention(*args, merge_counters=counters), expected, rtol=1e-5, atol=1e-5)
-    counters[3] = 100  # request 1, KV head 1
-    out = decode_attention(*args, merge_counters=counters).view(2, 2, 2, 16)  # [bs, kv_heads, group, dim]
-    torch.testing.assert_close(out[:, 0], expected.view(2, 2, 2, 16)[:, 0], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(out[1, 1], expected.view(2, 2, 2, 16)[1, 1])
-    assert counters.tolist() == [0, 0, 0, 100 + 6]  # MANY_SPLITS: 90 keys in six 16-key splits, each counts once
 
 
 @interpreted
@@ -226,7 +185,7 @@ def check_merge_ignores_stale_partials(device: str) -> None:
     that was used (lse -inf, output 0) weighs nothing."""
     import triton
 
-    from kernels.split_kv_merge import _split_kv_reduce_kernel
+    from kernels.split_kv_attention import _split_kv_reduce_kernel
 
     gen = torch.Generator().manual_seed(4)
     q_len, heads, dim, max_splits = 2, 3, 16, 8
@@ -349,24 +308,20 @@ BF16 = dict(device="cuda", dtype=torch.bfloat16, tol=2e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_on_cuda(page_size, fused_merge):
-    """Batches of 32 mixed lengths, one 32k request and one 1k request (fused merge: every program of a KV head
-    races to be the last; several seeds)."""
+def test_decode_on_cuda(page_size):
     gen = torch.Generator().manual_seed(page_size)
-    for seed in range(3 if fused_merge else 1):
-        lens = torch.randint(1, 4096, (32,), generator=gen).tolist()
-        for seq_lens in (lens, [32768], [1024]):
-            check_split_kv(**LLAMA, page_size=page_size, seq_lens=seq_lens, q_len=1, mask_width=None,
-                           policy=split_policy(torch.device("cuda"), 1), **BF16, seed=seed, fused_merge=fused_merge)
+    lens = torch.randint(1, 4096, (32,), generator=gen).tolist()
+    check_split_kv(**LLAMA, page_size=page_size, seq_lens=lens, q_len=1, mask_width=None,
+                   policy=split_policy(torch.device("cuda"), 1), **BF16)
+    check_split_kv(**LLAMA, page_size=page_size, seq_lens=[32768], q_len=1, mask_width=None,
+                   policy=split_policy(torch.device("cuda"), 1), **BF16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_on_cuda_float32_is_exact(fused_merge):
+def test_decode_on_cuda_float32_is_exact():
     check_split_kv(**LLAMA, page_size=16, seq_lens=[1, 100, 3000, 9000], q_len=1, mask_width=None,
-                   policy=split_policy(torch.device("cuda"), 1), device="cuda", tol=1e-5, fused_merge=fused_merge)
+                   policy=split_policy(torch.device("cuda"), 1), device="cuda", tol=1e-5)
 
 
 @pytest.mark.gpu

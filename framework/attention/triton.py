@@ -5,8 +5,7 @@
   a decode-sized batch on the model's fused path (``tfs::gemv``) folds the qkv projection into that kernel too
   (``tfs::qkv_rope_store``, through :meth:`forward_projection`);
 - EXTEND (ragged prefill, eager): ``tfs::extend_attention``, causal over the new tokens, whole prefix visible;
-- DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding), merged by the last
-  program of each (request, KV head) (merge counters held here);
+- DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
 - TARGET_VERIFY / DRAFT_EXTEND / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
   tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none).
 
@@ -78,15 +77,10 @@ class TritonBackend(AttentionBackend):
         self._rope_store = rope_store_kv
         self._qkv_rope_store, self._qkv_rope_store_applies = qkv_rope_store, qkv_rope_store_applies
         self._policies: dict[int, tuple[int, int, int]] = {}
-        # decode merges its splits inside the partial kernel: one counter per (request row, KV head), all zero
-        # between calls (kernels/split_kv_merge.py); a batch padded past the table's rows merges in a second kernel
-        self._merge_counters = torch.zeros(allocator.req_to_token.shape[0] * num_kv_heads, dtype=torch.int32,
-                                           device=allocator.device)
         if allocator.device.type == "cuda":
-            # NOTE: the table is read inside captured graphs and updated outside them, the counters are updated
-            # inside them; static addresses keep cudagraph trees from copying them into the graph on every replay
+            # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
+            # cudagraph trees from copying it into the graph on every replay
             torch._dynamo.mark_static_address(allocator.req_to_token)
-            torch._dynamo.mark_static_address(self._merge_counters)
 
     def policy(self, q_len: int) -> tuple[int, int, int]:
         """(max_splits, target_programs, min_split_len) of the split-K kernel for ``q_len`` tokens per request."""
@@ -150,7 +144,7 @@ class TritonBackend(AttentionBackend):
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)
         elif meta.q_len == 1 and meta.custom_mask is None:
             out = self._decode(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               self.scale, *meta.split_policy, pdl=self.pdl, merge_counters=self._merge_counters)
+                               self.scale, *meta.split_policy, pdl=self.pdl)
         else:
             out = self._verify(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                meta.custom_mask, meta.q_len, self.scale, *meta.split_policy, pdl=self.pdl)
