@@ -10,6 +10,8 @@ forward, and the forward's wall time (CUDA events), so that the gap between kern
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import re
 import statistics
@@ -36,6 +38,26 @@ def group_of(name: str) -> str:
     return "other (fused elementwise, norms, rope, ...)"
 
 
+def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
+    """``--set module.NAME=value`` or ``module.NAME.key=value`` (a dict entry): for tuning sweeps in the model."""
+    path, _, text = item.partition("=")
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        target, rest = module, parts[cut:]
+        if len(rest) == 2 and isinstance(getattr(module, rest[0], None), dict):
+            getattr(module, rest[0])[rest[1]] = ast.literal_eval(text)
+            return
+        if len(rest) == 1 and hasattr(target, rest[0]):
+            setattr(target, rest[0], ast.literal_eval(text))
+            return
+        break
+    ap.error(f"--set {item}: no such module constant")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3_8b_random")
@@ -46,8 +68,22 @@ def main() -> None:
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
                     help="replace tfs::gemv launch classes (kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
+    ap.add_argument("--pdl-prefetch-k", type=int, choices=[64, 128, 256, 512, 1024, 2048],
+                    help="weight columns every PDL gemv prefetches into L2 before its wait (kernels/gemv.py "
+                         "PDL_PREFETCH_K, also tfs::qkv_rope_store's)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
+                    help="override a module-level tuning constant (a Python literal), e.g. "
+                         "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
+                         "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
+    for item in args.set:
+        set_constant(ap, item)
+    if args.pdl_prefetch_k:
+        import kernels.gemv
+        import kernels.qkv_rope_store
+
+        kernels.gemv.PDL_PREFETCH_K = kernels.qkv_rope_store.PDL_PREFETCH_K = args.pdl_prefetch_k
     for item in args.gemv_launch:
         from kernels.gemv import CUDA_LAUNCH
 

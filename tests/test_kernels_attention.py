@@ -179,10 +179,10 @@ def test_split_count_does_not_change_the_result():
     torch.testing.assert_close(results[0], results[2], rtol=1e-5, atol=1e-5)
 
 
-def check_merge_ignores_stale_partials(device: str) -> None:
-    """The merge kernel reads every split's slot of the partial buffers: the slots of splits a request did not use
-    (here NaN outputs with a large log-sum-exp, as stale memory may hold) must not reach the output; an empty split
-    that was used (lse -inf, output 0) weighs nothing."""
+def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False) -> None:
+    """The merge kernel (``use_pdl``: its PDL variant) reads every split's slot of the partial buffers: the slots of
+    splits a request did not use (here NaN outputs with a large log-sum-exp, as stale memory may hold) must not
+    reach the output; an empty split that was used (lse -inf, output 0) weighs nothing."""
     import triton
 
     from kernels.split_kv_attention import _split_kv_reduce_kernel
@@ -207,7 +207,7 @@ def check_merge_ignores_stale_partials(device: str) -> None:
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
         BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
-        USE_PDL=False, num_warps=4)
+        USE_PDL=use_pdl, num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -217,8 +217,13 @@ def test_merge_ignores_stale_partials_interpreted():
 
 
 @pytest.mark.gpu
-def test_merge_ignores_stale_partials_on_cuda():
-    check_merge_ignores_stale_partials("cuda")
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_merge_ignores_stale_partials_on_cuda(use_pdl):
+    from kernels.pdl import HAS_GDC
+
+    if use_pdl and not HAS_GDC:
+        pytest.skip("this Triton has no grid dependency control")
+    check_merge_ignores_stale_partials("cuda", use_pdl)
 
 
 def test_compiled_cpu_code_runs_the_references():
