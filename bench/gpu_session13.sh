@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU leases of 2026-12-01 (eighth session). Usage: bash bench/gpu_session13.sh a|b|...
-#   a (ran at 9807bba, since reverted): the decode merge inside the split-K partial kernel (merge counters): the 8B decode step against prev/
-#      (`git archive 8ebfbed kernels framework bench conf`: merge as a second kernel), same lease; GPU tests (fused
-#      merge on CUDA, PDL ops and chain with counters, tree-speculation tokens); the decode attention table
+# Leases a, c and d compared kernel variants that were slower or no faster and are not on main (docs/PERFORMANCE.md,
+# eighth session): at HEAD their "head" runs time the same code as prev/. Lease a's variant is commit 9807bba.
+#   a (at 9807bba): the decode merge inside the split-K partial kernel (merge counters): the 8B decode step against
+#      prev/ (`git archive 8ebfbed kernels framework bench conf`: merge as a second kernel), same lease; GPU tests
+#      (fused merge on CUDA, PDL ops and chain with counters); the decode attention table
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
@@ -48,8 +50,8 @@ if [ "${1:-a}" = b ]; then
   profile_8b . b_bn32 100 --set "$S.CUDA_LAUNCH.decode_small=(32,4,1)"
   profile_8b . b_base2 100
 fi
-#   c (ran on a working tree with EARLY_TILE, since dropped): the PDL decode's first tile of older K/V loaded before the wait (EARLY_TILE): the 8B step against prev/
-#      (`git archive c23d0ec ...`: L2 prefetch only), same lease, twice each; GPU tests (PDL ops and chain
+#   c (a working tree, never committed): the PDL decode's first tile of older K/V loaded into registers before the
+#      wait: the 8B step against prev/ (`git archive c23d0ec ...`: L2 prefetch only), same lease, twice each; GPU tests (PDL ops and chain
 #      bit-identical, decode on CUDA, tree speculation tokens with PDL on and off)
 if [ "${1:-a}" = c ]; then
   [ -d prev ] || { echo "prev/ missing"; exit 1; }
@@ -58,7 +60,7 @@ if [ "${1:-a}" = c ]; then
   gpu_tests gpu_tests_c.log 300 tests/test_kernels_pdl.py -k "ops_equal or chain or spec2" \
     tests/test_kernels_attention.py -k "decode_on_cuda or ops_equal or chain or spec2"
 fi
-#   d: the PDL merge kernel loads only the splits the request used (its length arrives before the wait): the 8B
+#   d (a working tree, never committed): the PDL merge kernel loads only the splits the request used (its length arrives before the wait): the 8B
 #      step against prev/ (`git archive c23d0ec ...`), same lease, twice each; the decode partial with 2 and 8 warps;
 #      GPU tests (the merge's stale-partials test with and without PDL, PDL ops and chain bit-identical)
 if [ "${1:-a}" = d ]; then
