@@ -2,16 +2,7 @@
 # GPU leases of 2026-12-01 (seventh session). Usage: bash bench/gpu_session12.sh a|b|...
 #   a: HEAD checks: the merge's stale-partials test on CUDA (first run there), gemv GPU tests (lm_head's launch
 #      class), the 8B decode step with lm_head at (16, 256, 4, 3)
-set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-# gpu_tests LOG SECONDS PYTEST_ARGS...: the GPU tests, their verdict lines printed
-gpu_tests() {
-  local log=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short "$@" > "$OUT/$log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/$log" | tail -40
-}
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 # profile_8b NAME SECONDS [HYDRA_OVERRIDES...]: the 8B decode step at batch 1, 1k context, attention=triton
 profile_8b() {
   local name=$1 limit=$2; shift 2

@@ -5,16 +5,7 @@
 #   a (at 9807bba): the decode merge inside the split-K partial kernel (merge counters): the 8B decode step against
 #      prev/ (`git archive 8ebfbed kernels framework bench conf`: merge as a second kernel), same lease; GPU tests
 #      (fused merge on CUDA, PDL ops and chain with counters); the decode attention table
-set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TFS_TOKENIZER=$PWD/.tok/smollm2
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-# gpu_tests LOG SECONDS PYTEST_ARGS...: the GPU tests, their verdict lines printed
-gpu_tests() {
-  local log=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m pytest -m gpu -p no:cacheprovider -rA --tb=short "$@" > "$OUT/$log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " "$OUT/$log" | tail -40
-}
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 # profile_8b TREE NAME SECONDS [ARGS...]: the 8B decode step at batch 1, 1k context, attention=triton, run from TREE
 # (. or prev); ARGS go to profile_gpu_decode.py (options, then -- and Hydra overrides)
 profile_8b() {
