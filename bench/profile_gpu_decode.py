@@ -48,8 +48,9 @@ def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
         except ImportError:
             continue
         target, rest = module, parts[cut:]
-        if len(rest) == 2 and isinstance(getattr(module, rest[0], None), dict):
-            getattr(module, rest[0])[rest[1]] = ast.literal_eval(text)
+        table = getattr(module, rest[0], None)
+        if len(rest) == 2 and isinstance(table, dict) and rest[1] in table:  # an existing key, not a typo
+            table[rest[1]] = ast.literal_eval(text)
             return
         if len(rest) == 1 and hasattr(target, rest[0]):
             setattr(target, rest[0], ast.literal_eval(text))
