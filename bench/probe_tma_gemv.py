@@ -1,0 +1,195 @@
+"""Probe: a one-row gemv whose weight tiles arrive by TMA (Hopper's tensor memory accelerator) through a
+software-pipelined ring of shared-memory buffers, against ``tfs::gemv``, whose plain loads Triton does not pipeline
+(its kernels use 128-256 B of shared memory: one weight tile in flight per program).
+
+    python bench/probe_tma_gemv.py [--block-n 8 16 32] [--block-k 128 256] [--stages 3 4 6 8]
+
+(1) Each of Llama-3-8B's four decoder linears with the layer's fusion (as ``tune_gemv.py --fused``), over >= 2 GB of
+distinct weight copies: GB/s per launch, ``tfs::gemv``'s tuned launch first. Each TMA launch's output is checked
+first: bit-identical to ``tfs::gemv`` at the same (BLOCK_N, BLOCK_K) (same tiles, same summation order).
+(2) The 32-layer chain of the four linears with PDL (as in the model), ``tfs::gemv`` against the TMA kernel at each
+shape's best launch from (1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_attention import copy_bandwidth  # noqa: E402
+from tune_gemv import FUSION, HIDDEN, INTER, KV, Q, SHAPES, graph_ms  # noqa: E402
+from kernels.gemv import PDL_PREFETCH_K, launch_gemv, launch_params  # noqa: E402
+from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2  # noqa: E402
+
+
+@triton.jit
+def _gemv_tma_kernel(
+    X, W, W_desc, Y, R, NW, N, K, eps, stride_wn,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N),); one row of x; NORM is tfs::gemv's late RMSNorm
+    eps = tl.cast(eps, tl.float32)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if USE_PDL:
+        if PREFETCH_K > 0:
+            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    ss = tl.zeros((1, BLOCK_K), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = W_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]; rows past N come back as zeros
+        if SILU_MUL:
+            gate = tl.load(X + offs_k[None, :]).to(tl.float32)
+            up = tl.load(X + K + offs_k[None, :])
+            x = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(W.dtype.element_ty)
+        elif NORM:
+            xr = tl.load(X + offs_k[None, :]).to(tl.float32)
+            ss += xr * xr
+            x = xr * tl.load(NW + offs_k[None, :]).to(tl.float32)
+        else:
+            x = tl.load(X + offs_k[None, :]).to(W.dtype.element_ty)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+    out = out.to(Y.dtype.element_ty)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_n[None, :], out, mask=n_ok[None, :])
+
+
+KERNEL_INFO: dict[tuple, str] = {}
+DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+
+
+def launch_tma(x, w, residual, norm_weight, eps, silu_mul, launch=(16, 256, 4, 4), pdl=True,
+               prefetch_k=PDL_PREFETCH_K):
+    """One row, ``launch_gemv``'s contract (late RMSNorm); launch = (BLOCK_N, BLOCK_K, warps, stages)."""
+    n, k = w.shape
+    block_n, block_k, warps, stages = launch
+    key = (w.data_ptr(), block_n, block_k)
+    if key not in DESCRIPTORS:  # built once per weight (the chain's graph capture reuses it)
+        DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    y = torch.empty(1, n, dtype=w.dtype, device=x.device)
+    compiled = _gemv_tma_kernel[(triton.cdiv(n, block_n),)](
+        x, w, DESCRIPTORS[key], y, residual if residual is not None else y,
+        norm_weight if norm_weight is not None else w, n, k, eps, w.stride(0), NORM=norm_weight is not None,
+        SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k if pdl else 0, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}))
+    info = (n, k) + tuple(launch)
+    if info not in KERNEL_INFO and hasattr(compiled, "n_regs"):
+        KERNEL_INFO[info] = f"regs {compiled.n_regs}, shared {compiled.metadata.shared} B"
+    return y
+
+
+def sweep(args) -> dict[str, tuple]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    best = {}
+    print("GB/s (weight bytes / median time per call over >= 2 GB of weight copies, calls back to back in a graph)")
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        norm, res, silu = FUSION[name]
+        ws = [torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()
+              for _ in range(max(2, (2 << 30) // (n * k * 2)))]
+        x = torch.randn(1, 2 * k if silu else k, generator=gen, device="cuda").bfloat16()
+        extra = (torch.randn(1, n, generator=gen, device="cuda").bfloat16() if res else None,
+                 torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5 if norm else None, 1e-5, silu)
+        gbs = lambda ms: n * k * 2 / ms / 1e6  # noqa: E731
+        base = launch_params(1, n, k)
+        t = graph_ms([lambda w=w: launch_gemv(x, w, *extra, base) for w in ws])
+        rows = [(f"tfs::gemv {base}", gbs(t))]
+        results = {}
+        for bn, bk, st in itertools.product(args.block_n, args.block_k, args.stages):
+            launch = (bn, bk, 4, st)
+            try:
+                ref = launch_gemv(x, ws[0], *extra, (bn, bk, 4, 1))
+                out = launch_tma(x, ws[0], *extra, launch, pdl=False)
+                same = torch.equal(out, ref)
+                t = graph_ms([lambda w=w: launch_tma(x, w, *extra, launch, pdl=False) for w in ws])
+            except Exception as e:  # noqa: BLE001 (out of resources: report and go on)
+                print(f"{name} {launch}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            results[launch] = gbs(t)
+            rows.append((f"tma {launch}{'' if same else ' (NOT bit-identical)'}", gbs(t)))
+        DESCRIPTORS.clear()
+        del ws
+        best[name] = max(results, key=results.get)
+        print(f"\n{name} {(n, k)}, fusion (norm, residual, silu) {FUSION[name]}:")
+        for label, g in sorted(rows, key=lambda r: -r[1])[: args.top]:
+            print(f"  {label:>44} | {g:7.0f}")
+    return best
+
+
+def chain(best: dict[str, tuple], layers: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
+    lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
+               n1=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5,
+               n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
+          for _ in range(layers)]
+    weight_bytes = sum(t.numel() * 2 for layer in lw for t in layer.values())
+    x0 = torch.randn(1, HIDDEN, generator=gen, device="cuda").bfloat16()
+    base = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K)
+
+    def run(x, fns):
+        for p in lw:
+            qkv = fns["qkv"](x, p["qkv"], None, p["n1"], 1e-5, False)
+            x = fns["o"](qkv[:, :Q], p["o"], x, None, 0.0, False)
+            h = fns["gate_up"](x, p["gate_up"], None, p["n2"], 1e-5, False)
+            x = fns["down"](h, p["down"], x, None, 0.0, True)
+        return x
+
+    paths = {"tfs::gemv, PDL (the model's)": {c: base for c in best}}
+    paths["tma at each shape's best, PDL"] = {c: functools.partial(launch_tma, launch=best[c]) for c in best}
+    for c in best:  # one shape at a time on TMA
+        paths[f"tma for {c} only"] = {**paths["tfs::gemv, PDL (the model's)"], c: paths["tma at each shape's best, PDL"][c]}
+    ref = run(x0, paths["tfs::gemv, PDL (the model's)"])
+    copy_gbs = copy_bandwidth()
+    floor_ms = weight_bytes / copy_gbs / 1e6
+    print(f"\nchain of {layers} layers, {weight_bytes / 1e9:.2f} GB, copy {copy_gbs:.0f} GB/s, floor {floor_ms:.3f} ms; "
+          f"tma launches {best}")
+    print(f"{'path':>32} | {'ms':>7} | {'/floor':>6} | rel. err vs tfs::gemv")
+    for rep in range(2):
+        for name, fns in paths.items():
+            out = run(x0, fns)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = graph_ms([lambda fns=fns: run(x0, fns)])
+            print(f"{name:>32} | {ms:>7.3f} | {ms / floor_ms:>6.3f} | {err:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--block-n", nargs="+", type=int, default=[8, 16, 32])
+    ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256])
+    ap.add_argument("--stages", nargs="+", type=int, default=[3, 4, 6, 8])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--top", type=int, default=6)
+    args = ap.parse_args()
+    # TMA descriptors built on the host need no device allocator; in-kernel ones would (triton.set_allocator)
+    best = sweep(args)
+    chain(best, args.layers)
+    for key, info in KERNEL_INFO.items():
+        print(f"tma kernel (n, k, BN, BK, warps, stages) {key}: {info}")
+
+
+if __name__ == "__main__":
+    main()
