@@ -28,9 +28,51 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
-from tune_gemv import HIDDEN, INTER, KV, Q, graph_ms  # noqa: E402
+from tune_gemv import chain_weights, gemv_chain, graph_ms  # noqa: E402
 from kernels.gemv import PDL_PREFETCH_K, launch_gemv, launch_params  # noqa: E402
 from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2  # noqa: E402
+
+
+@triton.jit
+def pdl_start(W, rows, N, K, stride_wn, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+    """With PDL: an L2 prefetch of the first ``PREFETCH_K`` columns of weight ``rows`` ``[BLOCK_N]``, the wait, and
+    the next kernel's launch (as ``tfs::gemv``)."""
+    if USE_PDL:
+        if PREFETCH_K > 0:
+            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            prefetch_l2(W + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def x_chunk(X, NW, K, offs_k, ss, NORM: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr):
+    """(x's chunk ``[1, BLOCK_K]`` with ``tfs::gemv``'s one-row prologue, the running sum of squares ``ss``):
+    SiLU-mul, or the late RMSNorm (x times the norm weight, in float32; 1/rms scales the sums at the end)."""
+    if SILU_MUL:
+        gate = tl.load(X + offs_k[None, :]).to(tl.float32)
+        up = tl.load(X + K + offs_k[None, :])
+        x = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(DTYPE)
+    elif NORM:
+        xr = tl.load(X + offs_k[None, :]).to(tl.float32)
+        ss += xr * xr
+        x = xr * tl.load(NW + offs_k[None, :]).to(tl.float32)
+    else:
+        x = tl.load(X + offs_k[None, :]).to(DTYPE)
+    return x, ss
+
+
+@triton.jit
+def store_rows(acc, ss, r, Y, offs_n, n_ok, K, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """A row block's epilogue: the sums of ``acc`` ``[BLOCK_N, BLOCK_K]``, the late RMSNorm's scale, the residual
+    ``r`` ``[1, BLOCK_N]`` (loaded by the caller), rounded as ``tfs::gemv`` does, stored to y."""
+    out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+    out = out.to(Y.dtype.element_ty)
+    if HAS_RESIDUAL:
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_n[None, :], out, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -46,13 +88,7 @@ def _gemv_persistent_kernel(
     tiles = tl.cdiv(N, BLOCK_N)
     t0 = pid * tiles // num_progs
     t1 = (pid + 1) * tiles // num_progs
-    if USE_PDL:
-        if PREFETCH_K > 0:
-            first = tl.minimum(t0 * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
-            prefetch_l2(W + first[:, None].to(tl.int64) * stride_wn + lines[None, :])
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(W, t0 * BLOCK_N + tl.arange(0, BLOCK_N), N, K, stride_wn, USE_PDL, PREFETCH_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     ss = tl.zeros((1, BLOCK_K), tl.float32)
     for i in range(0, (t1 - t0) * K_ITERS):
@@ -62,27 +98,13 @@ def _gemv_persistent_kernel(
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         n_ok = offs_n < N
         w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-        if SILU_MUL:
-            gate = tl.load(X + offs_k[None, :]).to(tl.float32)
-            up = tl.load(X + K + offs_k[None, :])
-            x = ((gate * tl.sigmoid(gate)).to(up.dtype) * up).to(W.dtype.element_ty)
-        elif NORM:
-            xr = tl.load(X + offs_k[None, :]).to(tl.float32)
-            ss += xr * xr
-            x = xr * tl.load(NW + offs_k[None, :]).to(tl.float32)
-        else:
-            x = tl.load(X + offs_k[None, :]).to(W.dtype.element_ty)
+        x, ss = x_chunk(X, NW, K, offs_k, ss, NORM, SILU_MUL, W.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)
+        r = 0.0
         if HAS_RESIDUAL:  # loaded outside the branch (a load under it keeps the loop from being pipelined)
             r = tl.load(R + offs_n[None, :], mask=offs_n[None, :] < tl.where(kc == K_ITERS - 1, N, 0), other=0.0)
         if kc == K_ITERS - 1:  # the row block is complete: its epilogue, then the next block from zero
-            out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-            if NORM:
-                out = out * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
-            out = out.to(Y.dtype.element_ty)
-            if HAS_RESIDUAL:
-                out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
-            tl.store(Y + offs_n[None, :], out, mask=n_ok[None, :])
+            store_rows(acc, ss, r, Y, offs_n, n_ok, K, eps, NORM, HAS_RESIDUAL)
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
             ss = tl.zeros((1, BLOCK_K), tl.float32)
 
@@ -115,23 +137,8 @@ def main() -> None:
     ap.add_argument("--per-sm", nargs="+", type=int, default=[1, 2, 3, 4])
     ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
-    lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
-               n1=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5,
-               n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
-          for _ in range(args.layers)]
-    weight_bytes = sum(t.numel() * 2 for layer in lw for t in layer.values())
-    x0 = torch.randn(1, HIDDEN, generator=gen, device="cuda").bfloat16()
-
-    def layers(x, fn):
-        for p in lw:
-            qkv = fn(x, p["qkv"], None, p["n1"], 1e-5, False)
-            x = fn(qkv[:, :Q], p["o"], x, None, 0.0, False)
-            h = fn(x, p["gate_up"], None, p["n2"], 1e-5, False)
-            x = fn(h, p["down"], x, None, 0.0, True)
-        return x
-
+    lw, weight_bytes, x0 = chain_weights(1, args.layers)
+    layers = lambda x, fn: gemv_chain(lw, x, fn)  # noqa: E731
     base = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K)
     ref = layers(x0, base)
     paths = {"tfs::gemv, PDL (the model's)": base}

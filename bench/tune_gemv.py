@@ -124,7 +124,12 @@ def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
 
 
-def chain(rows: int, layers: int, copy_gbs: float) -> None:
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def chain_weights(rows: int, layers: int) -> tuple[list[dict], int, torch.Tensor]:
+    """(per-layer weights, their bytes, x ``[rows, HIDDEN]``): ``layers`` layers' worth of distinct bf16 weights of
+    a Llama-3-8B decoder layer's four linears and two RMSNorm weights (seeded: the same for every caller)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
     lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
@@ -132,7 +137,23 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
                n2=torch.rand(HIDDEN, device="cuda").bfloat16() + 0.5)
           for _ in range(layers)]
     weight_bytes = sum(t.numel() * 2 for layer in lw for t in layer.values())
-    x0 = torch.randn(rows, HIDDEN, generator=gen, device="cuda").bfloat16()
+    return lw, weight_bytes, torch.randn(rows, HIDDEN, generator=gen, device="cuda").bfloat16()
+
+
+def gemv_chain(lw: list[dict], x: torch.Tensor, fns: Callable | dict[str, Callable]) -> torch.Tensor:
+    """Each layer's four linears with the layer's fusions (``launch_gemv``'s signature); ``fns``: one callable for
+    all four, or one per name in ``LINEARS``."""
+    fn = fns if isinstance(fns, dict) else dict.fromkeys(LINEARS, fns)
+    for p in lw:
+        qkv = fn["qkv"](x, p["qkv"], None, p["n1"], 1e-5, False)
+        x = fn["o"](qkv[:, :Q], p["o"], x, None, 0.0, False)  # attention's output stands in for q
+        h = fn["gate_up"](x, p["gate_up"], None, p["n2"], 1e-5, False)
+        x = fn["down"](h, p["down"], x, None, 0.0, True)
+    return x
+
+
+def chain(rows: int, layers: int, copy_gbs: float) -> None:
+    lw, weight_bytes, x0 = chain_weights(rows, layers)
 
     def torch_layers(x: torch.Tensor) -> torch.Tensor:
         for p in lw:
@@ -143,12 +164,7 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
         return x
 
     def gemv_layers(x: torch.Tensor, fn: Callable = launch_gemv) -> torch.Tensor:  # fn: the op or its reference
-        for p in lw:
-            qkv = fn(x, p["qkv"], None, p["n1"], 1e-5, False)
-            x = fn(qkv[:, :Q], p["o"], x, None, 0.0, False)
-            h = fn(x, p["gate_up"], None, p["n2"], 1e-5, False)
-            x = fn(h, p["down"], x, None, 0.0, True)
-        return x
+        return gemv_chain(lw, x, fn)
 
     ref = gemv_layers(x0, gemv_reference)
     results = {}
