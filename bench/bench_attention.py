@@ -137,7 +137,8 @@ def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int,
         mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5
         mask = ((mask & torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril()) | torch.eye(DRAFT, dtype=torch.bool)).cuda()
         vpolicy = split_policy(torch.device("cuda"), DRAFT)
-        verify_fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask,  # noqa: E731
+        mask8 = mask.to(torch.uint8)  # as attention=triton passes it (converted once per step, not per layer)
+        verify_fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask8,  # noqa: E731
                                                            DRAFT, SCALE, *vpolicy)
         check("triton verify", verify_fn(), verify_reference(q8, k, v, mask))
         row["verify"] = time_us(verify_fn, repeat)

@@ -51,6 +51,7 @@ def main() -> None:
         mask = torch.rand(bs, ba.DRAFT, ba.DRAFT, generator=gen) < 0.5
         mask = ((mask & torch.ones(ba.DRAFT, ba.DRAFT, dtype=torch.bool).tril())
                 | torch.eye(ba.DRAFT, dtype=torch.bool)).cuda()
+        mask8 = mask.to(torch.uint8)  # as attention=triton passes it (converted once per step, not per layer)
         rpi = torch.arange(bs, device="cuda")
         seq = torch.full((bs,), context, device="cuda")
         ref_d = ba.sdpa_flash(q, k, v)
@@ -68,7 +69,7 @@ def main() -> None:
                                                                 ba.SCALE, *pol)
                     ba.check(f"decode {cfg}", fn(), ref_d)
                 else:
-                    fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask,  # noqa
+                    fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask8,  # noqa
                                                                 ba.DRAFT, ba.SCALE, *pol)
                     ba.check(f"verify {cfg}", fn(), ref_v)
                 out[(mode, cfg)] = ba.time_us(fn, repeat)

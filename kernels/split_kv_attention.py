@@ -46,6 +46,10 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
+        if CHECK and HAS_MASK:  # issued first: the mask's round trip overlaps the K load's
+            rel = j[None, :] - region
+            tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
+                           mask=row_ok[:, None] & (rel >= 0) & j_ok[None, :], other=0)
         slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kv_ok, other=0.0)
@@ -53,10 +57,6 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
         s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N], base-2 units
         if CHECK:
             if HAS_MASK:
-                rel = j[None, :] - region
-                in_region = rel >= 0
-                tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
-                               mask=row_ok[:, None] & in_region & j_ok[None, :], other=0)
                 allowed = j_ok[None, :] & ((rel < 0) | (tree != 0))
             else:
                 allowed = j_ok[None, :] & (j[None, :] <= last_key[:, None])
@@ -137,7 +137,7 @@ def _split_kv_partial_kernel(
     # NOTE: a block mask and'ed with a scalar condition breaks the Triton interpreter; fold the scalar into a bound
     store_ok = rows < tl.where(split < n_splits, Q_LEN * GROUP, 0)
     tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
-             acc / l_safe[:, None], mask=store_ok[:, None] & d_ok[None, :])
+             (acc / l_safe[:, None]).to(Mid_o.dtype.element_ty), mask=store_ok[:, None] & d_ok[None, :])
     tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
 
 
@@ -164,7 +164,7 @@ def _split_kv_reduce_kernel(
         gdc_launch_dependents()
     lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
     o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
-                mask=in_buf[:, None] & d_ok[None, :], other=0.0)
+                mask=in_buf[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     s_ok = s < _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
     lse = tl.where(s_ok, lse, float("-inf"))
     o = tl.where(s_ok[:, None], o, 0.0)
@@ -179,6 +179,9 @@ def _split_kv_reduce_kernel(
 # and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
 MIN_SPLIT_LEN = 64
+# dtype of the partial outputs between the two stages (their log-sum-exps stay float32); bf16 was no faster
+PARTIAL_DTYPE = torch.float32
+REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
 # or a few per program), where a loop without software pipelining and, for decode, smaller key tiles win; larger
@@ -220,7 +223,10 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     programs_per_split = bs * m_blocks * kv_heads
     # the kernel never uses more splits than fill the device; size the partial buffers by that bound (bs is static)
     max_splits = max(1, min(max_splits, triton.cdiv(target_programs, programs_per_split)))
-    mid_o = torch.empty((n, heads, max_splits, dim), dtype=torch.float32, device=q.device)
+    # rounded down to a power of two: the merge loads a power-of-two block of slots (33 splits would cost it as much
+    # as 64), and a third split of a batch's requests adds a wave of programs more than it shortens each one
+    max_splits = 1 << (max_splits.bit_length() - 1)
+    mid_o = torch.empty((n, heads, max_splits, dim), dtype=PARTIAL_DTYPE, device=q.device)
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = custom_mask is not None
@@ -248,7 +254,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        USE_PDL=pdl, num_warps=4, **pdl_launch,
+        USE_PDL=pdl, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
     )
     return out
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (tenth session), H200. Usage: bash bench/gpu_session16.sh a|...
+#   a: the split-K partial kernel with its products transposed (wgmma-sized M) and bf16 partials, decode and verify
+#      at batch 1, against main's kernel (bench/probe_split_kv_swap_ab.py)
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
+case "${1:-a}" in
+  a) timeout 560 python3 bench/probe_split_kv_swap_ab.py 2>&1 | tee "$OUT/probe_swap_ab.log" ;;
+  b) # main's kernel with the tree-mask load issued before the K load, against the kernel before (carry .prev: `git
+     # archive 909a7c0 kernels | tar -x -C .prev`); verify with a bool mask (converted by the op), with the uint8 mask
+     # attention=triton passes, and causal; per-kernel GPU times
+     PROBE_PREV_TREE=.prev timeout 300 python3 bench/probe_split_kv_swap_ab.py --kernels main prev --partials fp32 \
+       --launches 128,4,1 128,4,2 --targets 2 --decode-launches 64,4,1 --configs 1x1024 1x4096 1x32768 32x4096 \
+       2>&1 | tee "$OUT/probe_mask_order.log" ;;
+  c) # (lease c ran this with a knob, since made the rule, that rounds the split count down to a power of two, as a
+     # second dimension of the sweep)
+     timeout 300 python3 bench/probe_split_kv_swap_ab.py --merge-sweep --configs 1x1024 1x4096 1x32768 32x4096 \
+       2>&1 | tee "$OUT/probe_merge.log" ;;
+  d) # power-of-two splits and the merge at 2 warps (now the rule): verify (uint8 mask) launches and programs per SM
+     # at small batch; then the 8B decode step
+     timeout 300 python3 bench/probe_split_kv_swap_ab.py --kernels main --partials fp32 --verify-kind uint8 \
+       --launches 128,4,1 64,4,1 128,8,1 64,8,1 128,4,2 --targets 1 2 3 4 --decode-launches 64,4,1 128,4,1 \
+       --configs 1x1024 1x4096 1x32768 32x4096 --top 6 2>&1 | tee "$OUT/probe_launch.log"
+     for warps in 2 4 2 4; do  # the merge's num_warps: 2 (now) against 4 (before), alternating
+       echo "merge warps $warps"
+       timeout 100 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
+         --set kernels.split_kv_attention.REDUCE_NUM_WARPS=$warps -- attention=triton "model.tokenizer=$TFS_TOKENIZER" \
+         2>&1 | tee "$OUT/profile_8b_w$warps.log" | grep -E "^GPU span|reduce"
+     done ;;
+  e) timeout 560 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" ;;
+esac
