@@ -26,5 +26,18 @@ case "${1:-a}" in
          --set kernels.split_kv_attention.REDUCE_NUM_WARPS=$warps -- attention=triton "model.tokenizer=$TFS_TOKENIZER" \
          2>&1 | tee "$OUT/profile_8b_w$warps.log" | grep -E "^GPU span|reduce"
      done ;;
-  e) timeout 560 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" ;;
+  e) # the tree mask read through clamped addresses without a predicate (working tree) against 505db1d's predicated
+     # gather (carry .prev: `git archive 505db1d kernels | tar -x -C .prev`); then at most 16 query rows per program
+     PROBE_PREV_TREE=.prev timeout 200 python3 bench/probe_split_kv_swap_ab.py --kernels main prev --partials fp32 \
+       --verify-kind uint8 --launches 128,4,1 64,8,1 --targets 1 2 --decode-launches 64,4,1 \
+       --configs 1x1024 1x4096 1x32768 --top 4 2>&1 | tee "$OUT/probe_mask_clamp.log" | grep -v Warn
+     timeout 200 python3 bench/probe_split_kv_swap_ab.py --set ROW_BLOCK=16 --kernels main --partials fp32 \
+       --verify-kind uint8 --launches 128,4,1 64,4,1 --targets 2 4 --decode-launches 64,4,1 \
+       --configs 1x1024 1x4096 1x32768 --top 4 2>&1 | tee "$OUT/probe_rows16.log" | grep -E "^(1x|verify)" ;;
+  f) # the table with this session's kernels (8d-tagged commit in docs/PERFORMANCE.md); then verify launches
+     # with 2 warps or 256-key tiles at batch 1
+     timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
+     timeout 150 python3 bench/probe_split_kv_swap_ab.py --kernels main --partials fp32 --verify-kind uint8 \
+       --launches 128,4,1 128,2,1 64,2,1 256,8,1 --targets 1 2 --decode-launches 64,4,1 --configs 1x4096 1x32768 \
+       --top 5 2>&1 | tee "$OUT/probe_warps.log" | grep -E "^(1x|verify)" ;;
 esac

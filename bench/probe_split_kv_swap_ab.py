@@ -16,6 +16,7 @@ Prints, per (batch x context), decode and verify-over-an-8-token-tree times for 
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import os
 import sys
@@ -271,8 +272,15 @@ def main() -> None:
     ap.add_argument("--verify-kind", default="bool", choices=["bool", "uint8", "causal"],
                     help="the verify sweep's mask: bool (the op converts it per call), uint8 (as attention=triton "
                          "passes it), causal (none)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="kernels.split_kv_attention constants, e.g. ROW_BLOCK=16")
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(skv, name):
+            ap.error(f"--set {item}: kernels.split_kv_attention has no {name}")
+        setattr(skv, name, ast.literal_eval(value))
     if args.check_only:
         return check_only()
     sys.path.insert(0, os.path.dirname(__file__))

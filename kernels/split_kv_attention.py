@@ -38,7 +38,7 @@ def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, Mask, mask_row,
+def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, IEEE_DOT: tl.constexpr):
     """Fold keys ``[lo, hi)`` into the running state. ``CHECK``: apply the causal rule or the custom mask (the few
@@ -124,11 +124,11 @@ def _split_kv_partial_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, start, mid, K_cache, V_cache, slot_row,
-                                  kv_head * stride_kh, kv_head * stride_vh, Mask, mask_row, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
                                   False, IEEE_DOT)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, mid, end, K_cache, V_cache, slot_row,
-                                  kv_head * stride_kh, kv_head * stride_vh, Mask, mask_row, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
                                   True, IEEE_DOT)
 
@@ -199,11 +199,14 @@ def _launch_config(q: torch.Tensor, q_len: int, bs: int) -> tuple[int, int, int]
     return CUDA_LAUNCH[f"{mode}_small" if bs <= SMALL_BATCH else mode]
 
 
+ROW_BLOCK = 64  # at most this many query rows per program
+
+
 def _tile_rows(rows: int) -> tuple[int, int]:
     """(BLOCK_M, M_BLOCKS) for ``rows = q_len * group`` query rows per (request, kv head)."""
-    if rows <= 64:
+    if rows <= ROW_BLOCK:
         return max(16, triton.next_power_of_2(rows)), 1
-    return 64, triton.cdiv(rows, 64)
+    return ROW_BLOCK, triton.cdiv(rows, ROW_BLOCK)
 
 
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
