@@ -40,4 +40,15 @@ case "${1:-a}" in
      timeout 150 python3 bench/probe_split_kv_swap_ab.py --kernels main --partials fp32 --verify-kind uint8 \
        --launches 128,4,1 128,2,1 64,2,1 256,8,1 --targets 1 2 --decode-launches 64,4,1 --configs 1x4096 1x32768 \
        --top 5 2>&1 | tee "$OUT/probe_warps.log" | grep -E "^(1x|verify)" ;;
+  g) # GPU tests of the attention kernels, the PDL ops and chain, and the backends; then decode launches at large batch
+     gpu_tests gpu_attention.log 380 tests/test_kernels_attention.py tests/test_kernels_pdl.py \
+       tests/test_attention_backends.py
+     timeout 150 python3 bench/tune_split_kv.py --configs 32x4096 64x32768 --block-n 64 128 --warps 4 --stages 1 2 \
+       --targets 4 --min-split-lens 64 --sweep-at 4 64 2>&1 | tee "$OUT/tune_large_batch.log" | tail -25 ;;
+  h) # the three backend GPU tests lease g's 380 s did not reach; the table with decode at (64, 4, 1) for every
+     # batch (the kernel's outputs are checked against SDPA before timing)
+     gpu_tests gpu_backends_rest.log 200 \
+       "tests/test_attention_backends.py::test_greedy_equals_sdpa_on_cuda[flex-reduce_overhead]" \
+       tests/test_attention_backends.py::test_bf16_compiled_agrees_with_sdpa_on_cuda
+     timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention2.log" | grep -v "^page" ;;
 esac

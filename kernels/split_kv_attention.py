@@ -184,11 +184,13 @@ PARTIAL_DTYPE = torch.float32
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
-# or a few per program), where a loop without software pipelining and, for decode, smaller key tiles win; larger
-# batches stream K/V and want the pipelined 128-key tiles. From the same sweep (docs/PERFORMANCE.md). The
-# interpreter uses small tiles.
+# or a few per program), where a loop without software pipelining wins; a verify at larger batches streams K/V and
+# wants the pipelined 128-key tiles. Decode takes 64-key tiles without pipelining at every batch since the split
+# count became a power of two (tenth session: 134.5 us against 151.3 for (128, 4, 2) at 32 x 4k, 2059 against
+# 1995 at 64 x 32k). From sweeps with bench/tune_split_kv.py (docs/PERFORMANCE.md). The interpreter uses small
+# tiles.
 SMALL_BATCH = 8
-CUDA_LAUNCH = {"decode": (128, 4, 2), "multi": (128, 4, 2), "decode_small": (64, 4, 1), "multi_small": (128, 4, 1)}
+CUDA_LAUNCH = {"decode": (64, 4, 1), "multi": (128, 4, 2), "decode_small": (64, 4, 1), "multi_small": (128, 4, 1)}
 INTERPRET_LAUNCH = (32, 4, 1)
 
 
