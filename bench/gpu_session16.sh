@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (tenth session), H200. Usage: bash bench/gpu_session16.sh a|...
+# GPU leases of 2026-12-01 (tenth session), H200. Usage: bash bench/gpu_session16.sh a|b|c|d|e|f|g|h
+# Results: docs/PERFORMANCE.md, "Tenth session". Leases a-c ran on working trees before the commit that made their
+# winning knobs the rule (505db1d); re-running them on a later commit measures that commit's kernel.
 #   a: the split-K partial kernel with its products transposed (wgmma-sized M) and bf16 partials, decode and verify
 #      at batch 1, against main's kernel (bench/probe_split_kv_swap_ab.py)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
@@ -34,7 +36,7 @@ case "${1:-a}" in
      timeout 200 python3 bench/probe_split_kv_swap_ab.py --set ROW_BLOCK=16 --kernels main --partials fp32 \
        --verify-kind uint8 --launches 128,4,1 64,4,1 --targets 2 4 --decode-launches 64,4,1 \
        --configs 1x1024 1x4096 1x32768 --top 4 2>&1 | tee "$OUT/probe_rows16.log" | grep -E "^(1x|verify)" ;;
-  f) # the issue's table with this session's kernels (8d-tagged commit in docs/PERFORMANCE.md); then verify launches
+  f) # the issue's table with this session's kernels (a77b126); then verify launches
      # with 2 warps or 256-key tiles at batch 1
      timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
      timeout 150 python3 bench/probe_split_kv_swap_ab.py --kernels main --partials fp32 --verify-kind uint8 \
@@ -51,4 +53,6 @@ case "${1:-a}" in
        "tests/test_attention_backends.py::test_greedy_equals_sdpa_on_cuda[flex-reduce_overhead]" \
        tests/test_attention_backends.py::test_bf16_compiled_agrees_with_sdpa_on_cuda
      timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention2.log" | grep -v "^page" ;;
+  i) # the decode and verify GPU tests (32 requests of random lengths: the large-batch launch) at 54805de
+     gpu_tests gpu_decode_tests.log 150 tests/test_kernels_attention.py -k "decode_on_cuda or verify_on_cuda" ;;
 esac
