@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kernels.split_kv_attention as skv  # noqa: E402
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers the ops)
-from kernels.split_kv_attention import _num_kv_splits  # noqa: E402
+from kernels.split_kv_attention import _program_tile  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
 
 
@@ -81,22 +81,9 @@ def _split_kv_partial_kernel_t(
     """Same arguments and result as ``kernels.split_kv_attention._split_kv_partial_kernel`` (no PDL, bf16 / fp16
     caches: the default dot precision)."""
     scale_log2e = tl.cast(scale_log2e, tl.float32)
-    b = tl.program_id(0) // M_BLOCKS
-    m_block = tl.program_id(0) % M_BLOCKS
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(Seq_lens + b)
-    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    end = tl.where(split < n_splits, end, start)
-
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // GROUP
-    row_ok = rows < Q_LEN * GROUP
-    token = b * Q_LEN + t
-    head = kv_head * GROUP + rows % GROUP
+    b, kv_head, split, seq_len, n_splits, start, end, t, row_ok, token, head = _program_tile(
+        Seq_lens, programs_per_split, max_splits, target_programs, min_split_len, Q_LEN, GROUP, M_BLOCKS, BLOCK_M,
+        BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
@@ -119,7 +106,7 @@ def _split_kv_partial_kernel_t(
                                       last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, True)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    store_ok = rows < tl.where(split < n_splits, Q_LEN * GROUP, 0)
+    store_ok = t < tl.where(split < n_splits, Q_LEN, 0)
     out = tl.trans(acc_t / l_safe[None, :])  # [BLOCK_M, BLOCK_D]
     tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
              out.to(Mid_o.dtype.element_ty), mask=store_ok[:, None] & d_ok[None, :])

@@ -38,6 +38,29 @@ def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min
 
 
 @triton.jit
+def _program_tile(Seq_lens, programs_per_split, max_splits, target_programs, min_split_len, Q_LEN: tl.constexpr,
+                  GROUP: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the partial kernel's program (grid ``(bs * M_BLOCKS, kv_heads, max_splits)``) works on: request ``b``,
+    KV head and split; the request's length, its split count and this split's keys ``[start, end)`` (empty past the
+    request's splits); its query rows (row ``r`` = token ``t * GROUP`` + member of the KV head; ``row_ok``: not
+    padding), as tokens ``b * Q_LEN + t`` and query heads."""
+    b = tl.program_id(0) // M_BLOCKS
+    m_block = tl.program_id(0) % M_BLOCKS
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + b)
+    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    end = tl.where(split < n_splits, end, start)  # programs beyond this request's splits do nothing
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    t = rows // GROUP
+    row_ok = rows < Q_LEN * GROUP
+    return b, kv_head, split, seq_len, n_splits, start, end, t, row_ok, b * Q_LEN + t, kv_head * GROUP + rows % GROUP
+
+
+@triton.jit
 def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, IEEE_DOT: tl.constexpr):
@@ -81,22 +104,9 @@ def _split_kv_partial_kernel(
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
     scale_log2e = tl.cast(scale_log2e, tl.float32)
-    b = tl.program_id(0) // M_BLOCKS
-    m_block = tl.program_id(0) % M_BLOCKS
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(Seq_lens + b)
-    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
-    split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    end = tl.where(split < n_splits, end, start)  # programs beyond this request's splits do nothing
-
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = token t * GROUP + member g of the kv head
-    t = rows // GROUP
-    row_ok = rows < Q_LEN * GROUP
-    token = b * Q_LEN + t
-    head = kv_head * GROUP + rows % GROUP
+    b, kv_head, split, seq_len, n_splits, start, end, t, row_ok, token, head = _program_tile(
+        Seq_lens, programs_per_split, max_splits, target_programs, min_split_len, Q_LEN, GROUP, M_BLOCKS, BLOCK_M,
+        BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
@@ -135,7 +145,7 @@ def _split_kv_partial_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
     # NOTE: a block mask and'ed with a scalar condition breaks the Triton interpreter; fold the scalar into a bound
-    store_ok = rows < tl.where(split < n_splits, Q_LEN * GROUP, 0)
+    store_ok = t < tl.where(split < n_splits, Q_LEN, 0)  # = row_ok, for the splits this request uses
     tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
              (acc / l_safe[:, None]).to(Mid_o.dtype.element_ty), mask=store_ok[:, None] & d_ok[None, :])
     tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
