@@ -221,6 +221,21 @@ def _tile_rows(rows: int) -> tuple[int, int]:
     return ROW_BLOCK, triton.cdiv(rows, ROW_BLOCK)
 
 
+def split_slots(max_splits: int, target_programs: int, programs_per_split: int) -> int:
+    """Split slots per (token, head) in the partial buffers, the most splits the kernel may use: no more than fill
+    the device (``target_programs``), rounded down to a power of two. The merge loads a power-of-two block of slots
+    (33 splits would cost it as much as 64), and a third split of a batch's requests adds a wave of programs more
+    than it shortens each one. Under torch.compile ``programs_per_split`` is symbolic (the batch size): the doubling
+    loop guards only on ranges of the bound (one graph serves every batch size with the same power of two; the
+    merge's block size is specialised the same way), where ``1 << (n.bit_length() - 1)`` would pin its exact value
+    and recompile for more batch sizes; the result is a plain int."""
+    bound = max(1, min(max_splits, triton.cdiv(target_programs, programs_per_split)))
+    slots = 1
+    while slots * 2 <= bound:
+        slots *= 2
+    return slots
+
+
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                               custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
@@ -236,11 +251,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_d = max(16, triton.next_power_of_2(dim))
     block_n, num_warps, num_stages = _launch_config(q, q_len, bs)
     programs_per_split = bs * m_blocks * kv_heads
-    # the kernel never uses more splits than fill the device; size the partial buffers by that bound (bs is static)
-    max_splits = max(1, min(max_splits, triton.cdiv(target_programs, programs_per_split)))
-    # rounded down to a power of two: the merge loads a power-of-two block of slots (33 splits would cost it as much
-    # as 64), and a third split of a batch's requests adds a wave of programs more than it shortens each one
-    max_splits = 1 << (max_splits.bit_length() - 1)
+    max_splits = split_slots(max_splits, target_programs, programs_per_split)
     mid_o = torch.empty((n, heads, max_splits, dim), dtype=PARTIAL_DTYPE, device=q.device)
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)

@@ -21,7 +21,7 @@ import torch
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.dispatch import interpreter_active
 from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.split_kv_attention import split_policy
+from kernels.split_kv_attention import split_policy, split_slots
 from kernels.store_kv import store_kv, store_kv_reference
 from kernels.verify_attention import verify_attention, verify_attention_reference
 
@@ -164,6 +164,23 @@ def test_extend_matches_reference(page_size):
     """Ragged: an empty prefix, one new token, new runs longer than one tile, prefix longer than the run, and
     prefixes that put the diagonal right at a key-tile boundary (prefix + tile start = 30, 31, 32 mod 32)."""
     check_extend(6, 2, 16, page_size, [0, 5, 37, 100, 30, 15, 48], [7, 1, 40, 33, 17, 34, 20], seed=page_size)
+
+
+def test_split_slots_are_a_power_of_two_without_specialising_the_batch():
+    """The partial buffers' split slots: at most what fills the device, rounded down to a power of two; with a
+    symbolic batch size (torch.compile) no guard pins the batch's exact split count, so one graph serves the
+    batch sizes that share a power of two."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    for max_splits, target, per_split, want in [(64, 528, 8, 64), (64, 264, 8, 32), (64, 528, 256, 2),
+                                                (64, 528, 1024, 1), (4, 16, 1, 4), (64, 136, 8, 16)]:
+        assert split_slots(max_splits, target, per_split) == want
+    env = ShapeEnv()
+    bs = env.create_symintnode(env.create_symbol(3, ConstantSource("bs")), hint=3)
+    slots = split_slots(64, 528, bs * 8)  # cdiv(528, 24) = 22 -> 16
+    assert slots == 16 and isinstance(slots, int)
+    assert not [g for g in env.guards if "Eq" in str(g.expr)]  # ranges only: bs 3 and 4 (17 -> 16) share it
 
 
 @interpreted
