@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (tenth session), H200. Usage: bash bench/gpu_session16.sh a|b|c|d|e|f|g|h
+# GPU leases of 2026-12-01 (tenth session), H200. Usage: bash bench/gpu_session16.sh a|b|c|d|e|f|g|h|i
 # Results: docs/PERFORMANCE.md, "Tenth session". Leases a-c ran on working trees before the commit that made their
 # winning knobs the rule (505db1d); re-running them on a later commit measures that commit's kernel.
 #   a: the split-K partial kernel with its products transposed (wgmma-sized M) and bf16 partials, decode and verify
@@ -7,9 +7,9 @@
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 560 python3 bench/probe_split_kv_swap_ab.py 2>&1 | tee "$OUT/probe_swap_ab.log" ;;
-  b) # main's kernel with the tree-mask load issued before the K load, against the kernel before (carry .prev: `git
-     # archive 909a7c0 kernels | tar -x -C .prev`); verify with a bool mask (converted by the op), with the uint8 mask
-     # attention=triton passes, and causal; per-kernel GPU times
+  b) # main's kernel with the tree-mask load issued before the K load, against the kernel before (carry .prev:
+     # `mkdir -p .prev && git archive 909a7c0 kernels | tar -x -C .prev`); verify with a bool mask (converted by the
+     # op), with the uint8 mask attention=triton passes, and causal; per-kernel GPU times
      PROBE_PREV_TREE=.prev timeout 300 python3 bench/probe_split_kv_swap_ab.py --kernels main prev --partials fp32 \
        --launches 128,4,1 128,4,2 --targets 2 --decode-launches 64,4,1 --configs 1x1024 1x4096 1x32768 32x4096 \
        2>&1 | tee "$OUT/probe_mask_order.log" ;;
@@ -26,10 +26,11 @@ case "${1:-a}" in
        echo "merge warps $warps"
        timeout 100 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
          --set kernels.split_kv_attention.REDUCE_NUM_WARPS=$warps -- attention=triton "model.tokenizer=$TFS_TOKENIZER" \
-         2>&1 | tee "$OUT/profile_8b_w$warps.log" | grep -E "^GPU span|reduce"
+         2>&1 | tee -a "$OUT/profile_8b_w$warps.log" | grep -E "^GPU span|reduce"
      done ;;
-  e) # the tree mask read through clamped addresses without a predicate (working tree) against 505db1d's predicated
-     # gather (carry .prev: `git archive 505db1d kernels | tar -x -C .prev`); then at most 16 query rows per program
+  e) # the tree mask read through clamped addresses without a predicate (a working tree, never committed: re-running
+     # this now compares HEAD with 505db1d) against 505db1d's predicated gather (carry .prev: `mkdir -p .prev && git
+     # archive 505db1d kernels | tar -x -C .prev`); then at most 16 query rows per program
      PROBE_PREV_TREE=.prev timeout 200 python3 bench/probe_split_kv_swap_ab.py --kernels main prev --partials fp32 \
        --verify-kind uint8 --launches 128,4,1 64,8,1 --targets 1 2 --decode-launches 64,4,1 \
        --configs 1x1024 1x4096 1x32768 --top 4 2>&1 | tee "$OUT/probe_mask_clamp.log" | grep -v Warn

@@ -254,8 +254,8 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--partials", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--merge-sweep", action="store_true",
-                    help="instead: main's kernel, verify with the uint8 mask, over the merge's warps, power-of-two "
-                         "split counts and partial dtypes")
+                    help="instead: main's kernel, verify with the uint8 mask, over the merge's warps and the "
+                         "partials' dtype")
     ap.add_argument("--verify-kind", default="bool", choices=["bool", "uint8", "causal"],
                     help="the verify sweep's mask: bool (the op converts it per call), uint8 (as attention=triton "
                          "passes it), causal (none)")

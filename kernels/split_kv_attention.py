@@ -189,7 +189,8 @@ def _split_kv_reduce_kernel(
 # and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
 MIN_SPLIT_LEN = 64
-# dtype of the partial outputs between the two stages (their log-sum-exps stay float32); bf16 was no faster
+# dtype of the partial outputs between the two stages (their log-sum-exps stay float32); bf16 gained nothing
+# consistent (docs/PERFORMANCE.md, tenth session)
 PARTIAL_DTYPE = torch.float32
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
