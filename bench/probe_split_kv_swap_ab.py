@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kernels.split_kv_attention as skv  # noqa: E402
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers the ops)
-from kernels.split_kv_attention import _program_tile  # noqa: E402
+from kernels.split_kv_attention import _program_tile, _visibility  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
 
 
@@ -90,10 +90,7 @@ def _split_kv_partial_kernel_t(
     q_t = tl.load(Q + token[None, :] * stride_qt + head[None, :] * stride_qh + d[:, None],
                   mask=row_ok[None, :] & d_ok[:, None], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_D, BLOCK_M]
     mask_row = Mask + b * stride_mb
-    last_key = seq_len - Q_LEN + t
-    region = seq_len - mask_width
-    shared = tl.minimum(tl.maximum(region if HAS_MASK else seq_len - Q_LEN + 1, start), end)
-    mid = start + (shared - start) // BLOCK_N * BLOCK_N
+    last_key, region, mid = _visibility(seq_len, start, end, t, mask_width, Q_LEN, HAS_MASK, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

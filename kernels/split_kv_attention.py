@@ -61,6 +61,18 @@ def _program_tile(Seq_lens, programs_per_split, max_splits, target_programs, min
 
 
 @triton.jit
+def _visibility(seq_len, start, end, t, mask_width, Q_LEN: tl.constexpr, HAS_MASK: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Which keys of ``[start, end)`` each query row sees: causally, row ``t`` sees keys ``<= last_key``; with a
+    custom mask, keys ``>= region`` are decided by the mask and earlier ones are visible. Keys below ``mid`` (whole
+    tiles of keys every row sees) need no check; ``[mid, end)`` is the checked tail (usually one tile)."""
+    last_key = seq_len - Q_LEN + t  # [BLOCK_M]
+    region = seq_len - mask_width
+    shared = tl.minimum(tl.maximum(region if HAS_MASK else seq_len - Q_LEN + 1, start), end)
+    return last_key, region, start + (shared - start) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
 def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, IEEE_DOT: tl.constexpr):
@@ -123,12 +135,7 @@ def _split_kv_partial_kernel(
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
     mask_row = Mask + b * stride_mb
-    last_key = seq_len - Q_LEN + t  # causal: row t sees keys <= last_key
-    region = seq_len - mask_width  # custom mask: keys >= region are decided by the mask, earlier ones are visible
-    # keys below `shared` are visible to every row: whole tiles of them go through the unchecked loop, and the
-    # checked loop takes the rest (the last partial tile plus the masked or causal keys: usually one tile)
-    shared = tl.minimum(tl.maximum(region if HAS_MASK else seq_len - Q_LEN + 1, start), end)
-    mid = start + (shared - start) // BLOCK_N * BLOCK_N
+    last_key, region, mid = _visibility(seq_len, start, end, t, mask_width, Q_LEN, HAS_MASK, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
