@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from framework.attention.flex import attend, block_tiles  # noqa: E402
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers tfs::decode_attention)
-from kernels.split_kv_attention import split_policy  # noqa: E402
+from kernels.split_kv_attention import pack_mask_bits, split_policy  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
 
 HEADS, KV_HEADS, DIM = 32, 8, 128  # Llama-3-8B attention
@@ -111,7 +111,7 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int, with_verify: bool,
-                 flex_fn: Callable) -> dict:
+                 flex_fn: Callable, verify_mask: str = "bits") -> dict:
     gen = torch.Generator().manual_seed(bs * 100003 + context + page_size)
     k_pool, v_pool, table, k, v = paged_cache(bs, context, page_size, slots, gen)
     q = torch.randn(bs, HEADS, DIM, generator=gen).to("cuda", torch.bfloat16)
@@ -137,9 +137,11 @@ def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int,
         mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5
         mask = ((mask & torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril()) | torch.eye(DRAFT, dtype=torch.bool)).cuda()
         vpolicy = split_policy(torch.device("cuda"), DRAFT)
-        mask8 = mask.to(torch.uint8)  # as attention=triton passes it (converted once per step, not per layer)
+        # as attention=triton passes it (converted once per step, not per layer): packed bits, or bytes
+        bits = pack_mask_bits(mask) if verify_mask == "bits" else None
+        mask8 = mask.to(torch.uint8)
         verify_fn = lambda: torch.ops.tfs.verify_attention(q8, k_pool, v_pool, table, rpi, seq, mask8,  # noqa: E731
-                                                           DRAFT, SCALE, *vpolicy)
+                                                           DRAFT, SCALE, *vpolicy, bits)
         check("triton verify", verify_fn(), verify_reference(q8, k, v, mask))
         row["verify"] = time_us(verify_fn, repeat)
     del k_pool, v_pool, table, k, v
@@ -153,6 +155,9 @@ def main() -> None:
                     help="batch x context")
     ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--repeat", type=int, default=20, help="calls per CUDA graph (fewer for configs over 1 GB)")
+    ap.add_argument("--verify-mask", default="bits", choices=["bits", "uint8"],
+                    help="the tree mask as the verify kernel reads it: packed into a word per row (attention=triton "
+                         "for masks up to 64 keys wide) or a byte per key")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
@@ -169,12 +174,13 @@ def main() -> None:
         repeat = args.repeat if kv_bytes < 1e9 else 2
         slots = max((bs * -(-context // p) + 1) * p for p in args.page_sizes)
         for page_size in args.page_sizes:
-            r = bench_config(bs, context, page_size, slots, repeat, page_size == args.page_sizes[-1], flex_fn)
+            r = bench_config(bs, context, page_size, slots, repeat, page_size == args.page_sizes[-1], flex_fn,
+                             args.verify_mask)
             rows.append((page_size, bs, context, kv_bytes, r))
             print(f"page {page_size} batch {bs} context {context}: {r}", flush=True)
 
     print(f"\ndecode attention, {HEADS} q / {KV_HEADS} kv heads, head_dim {DIM}, bf16, {torch.cuda.get_device_name()}; "
-          f"device copy {copy_gbs:.0f} GB/s (read + write)")
+          f"device copy {copy_gbs:.0f} GB/s (read + write); verify's mask as {args.verify_mask}")
     print(f"{'page':>4} {'batch':>5} {'context':>7} {'KV MB':>7} | {'triton us':>9} {'GB/s':>6} {'/copy':>5} | "
           f"{'flex us':>8} {'GB/s':>6} | {'sdpa-flash us':>13} {'GB/s':>6} | {'verify8 us':>10} {'/decode':>7}")
     for page_size, bs, context, kv_bytes, r in rows:

@@ -76,10 +76,10 @@ def _split_kv_partial_kernel_t(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
+    MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     """Same arguments and result as ``kernels.split_kv_attention._split_kv_partial_kernel`` (no PDL, bf16 / fp16
-    caches: the default dot precision)."""
+    caches: the default dot precision, a byte mask only)."""
     scale_log2e = tl.cast(scale_log2e, tl.float32)
     b, kv_head, split, seq_len, n_splits, start, end, t, row_ok, token, head = _program_tile(
         Seq_lens, programs_per_split, max_splits, target_programs, min_split_len, Q_LEN, GROUP, M_BLOCKS, BLOCK_M,

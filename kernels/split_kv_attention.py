@@ -75,16 +75,24 @@ def _visibility(seq_len, start, end, t, mask_width, Q_LEN: tl.constexpr, HAS_MAS
 @triton.jit
 def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
-                  BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CHECK: tl.constexpr, IEEE_DOT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, CHECK: tl.constexpr,
+                  IEEE_DOT: tl.constexpr):
     """Fold keys ``[lo, hi)`` into the running state. ``CHECK``: apply the causal rule or the custom mask (the few
-    tiles near the end of a request); otherwise every key in range is visible to every row (the bulk of them)."""
+    tiles near the end of a request); otherwise every key in range is visible to every row (the bulk of them).
+    ``MASK_BITS``: the mask is one int64 word per row (bit ``i``: key ``region + i``), loaded once; otherwise a
+    byte per (row, key), gathered per tile."""
+    if CHECK and MASK_BITS:
+        word = tl.load(mask_row + t * stride_mt, mask=row_ok, other=0)  # [BLOCK_M] int64
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         if CHECK and HAS_MASK:  # issued first: the mask's round trip overlaps the K load's
-            rel = j[None, :] - region
-            tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
-                           mask=row_ok[:, None] & (rel >= 0) & j_ok[None, :], other=0)
+            rel = j[None, :] - region  # [1, BLOCK_N]; < mask_width <= 64 where keys exist
+            if MASK_BITS:
+                tree = (word[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+            else:
+                tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
+                               mask=row_ok[:, None] & (rel >= 0) & j_ok[None, :], other=0)
         slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kv_ok, other=0.0)
@@ -111,7 +119,7 @@ def _split_kv_partial_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
+    MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -142,11 +150,11 @@ def _split_kv_partial_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, start, mid, K_cache, V_cache, slot_row,
                                   kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
-                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
+                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
                                   False, IEEE_DOT)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, mid, end, K_cache, V_cache, slot_row,
                                   kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
-                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK,
+                                  last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
                                   True, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -247,10 +255,12 @@ def split_slots(max_splits: int, target_programs: int, programs_per_split: int) 
 def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                               custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
-                              target_programs: int, min_split_len: int, pdl: bool = False) -> torch.Tensor:
+                              target_programs: int, min_split_len: int, pdl: bool = False,
+                              mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
     in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: both
-    with programmatic dependent launch (from an opaque op: kernels/pdl.py)."""
+    with programmatic dependent launch (from an opaque op: kernels/pdl.py). ``mask_bits``: ``custom_mask`` packed
+    by :func:`pack_mask_bits` (widths up to 64), which the kernel then reads instead."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -264,12 +274,16 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_mask = custom_mask is not None
+    use_bits = has_mask and mask_bits is not None
+    mask_width = custom_mask.shape[2] if has_mask else 0
     mask = seq_lens  # an unused stand-in without a mask
-    if has_mask:  # the kernel reads bytes; attention=triton converts once per step (TritonBackend.init_metadata)
+    if use_bits:  # [bs, q_len] int64 words, packed once per step (TritonBackend.init_metadata)
+        torch._check(mask_width <= MASK_WORD_BITS, lambda: f"mask_bits: a mask {mask_width} keys wide is over 64")
+        mask = mask_bits
+    elif has_mask:  # the kernel reads bytes; attention=triton converts once per step (TritonBackend.init_metadata)
         # NOTE: a converting copy, not .view(torch.uint8): inductor (torch 2.11) cannot lower a bool->uint8 bitcast
         u8 = custom_mask.dtype == torch.uint8 and custom_mask.is_contiguous()
         mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
-    mask_width = custom_mask.shape[2] if has_mask else 0
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
     pdl_launch = {"launch_pdl": True} if pdl else {}
@@ -280,8 +294,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_MASK=has_mask, IEEE_DOT=k_cache.dtype == torch.float32, USE_PDL=pdl,
-        LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        BLOCK_D=block_d, HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
+        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
@@ -291,6 +305,20 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         USE_PDL=pdl, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
     )
     return out
+
+
+MASK_WORD_BITS = 64  # widest mask pack_mask_bits packs
+
+
+def pack_mask_bits(custom_mask: torch.Tensor) -> torch.Tensor:
+    """``custom_mask`` ``[bs, q_len, width <= 64]`` (bool, or uint8 0 / 1) as one int64 word per query row
+    ``[bs, q_len]``, bit ``i`` = key ``i`` of the mask (bit 63 is the sign bit). The split-K kernel reads the word
+    once per program instead of gathering a byte per (row, key); attention=triton packs once per step."""
+    width = custom_mask.shape[2]
+    torch._check(width <= MASK_WORD_BITS, lambda: f"pack_mask_bits: a mask {width} keys wide is over 64")
+    bits = torch.arange(width, device=custom_mask.device, dtype=torch.int64)
+    # distinct powers of two: the sum is their bitwise or, wrapping into the sign bit for bit 63
+    return ((custom_mask != 0).to(torch.int64) << bits).sum(-1)
 
 
 def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -342,4 +370,4 @@ def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
     return 4, 16, 32
 
 
-__all__ = ["launch_split_kv_attention", "split_kv_attention_reference", "split_policy"]
+__all__ = ["launch_split_kv_attention", "pack_mask_bits", "split_kv_attention_reference", "split_policy"]

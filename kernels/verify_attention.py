@@ -21,18 +21,22 @@ from kernels.split_kv_attention import launch_split_kv_attention, split_kv_atten
 def verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor],
                         q_len: int, scale: float, max_splits: int, target_programs: int,
-                        min_split_len: int) -> torch.Tensor:
+                        min_split_len: int, mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q ``[bs * q_len, heads, dim]`` (request-major); custom_mask ``[bs, q_len, mask_width]`` bool (or uint8 0 /
-    1) or None; seq_lens ``[bs]``: keys after this forward -> ``[bs * q_len, heads, dim]`` (q's dtype)."""
+    1) or None; seq_lens ``[bs]``: keys after this forward -> ``[bs * q_len, heads, dim]`` (q's dtype).
+    ``mask_bits``: optionally the same mask as ``pack_mask_bits(custom_mask)`` ``[bs, q_len]`` int64 (width <= 64),
+    which the kernel reads instead of the bytes."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
-                                     q_len, scale, max_splits, target_programs, min_split_len)
+                                     q_len, scale, max_splits, target_programs, min_split_len, mask_bits=mask_bits)
 
 
 def verify_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
-                               target_programs: int, min_split_len: int) -> torch.Tensor:
-    """Plain torch; the split policy arguments do not change the result."""
+                               target_programs: int, min_split_len: int,
+                               mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain torch; the split policy arguments and ``mask_bits`` (a packed copy of the mask) do not change the
+    result."""
     return split_kv_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
                                         q_len, scale)
 
@@ -44,11 +48,13 @@ register_cpu_reference(verify_attention_op, verify_attention_reference)
 def verify_attention_pdl_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                             custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
-                            target_programs: int, min_split_len: int) -> torch.Tensor:
+                            target_programs: int, min_split_len: int,
+                            mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``tfs::verify_attention`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launches keep their PDL attribute inside captured graphs."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
-                                     q_len, scale, max_splits, target_programs, min_split_len, pdl=True)
+                                     q_len, scale, max_splits, target_programs, min_split_len, pdl=True,
+                                     mask_bits=mask_bits)
 
 
 @verify_attention_pdl_op.register_fake
@@ -59,11 +65,11 @@ def _verify_attention_pdl_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor],
                      q_len: int, scale: float, max_splits: int, target_programs: int,
-                     min_split_len: int, pdl: bool = False) -> torch.Tensor:
+                     min_split_len: int, pdl: bool = False, mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
     elsewhere."""
     fn = torch.ops.tfs.verify_attention if use_triton(q) else verify_attention_reference
     if pdl and q.is_cuda:
         fn = torch.ops.tfs.verify_attention_pdl
     return fn(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask, q_len, scale, max_splits,
-              target_programs, min_split_len)
+              target_programs, min_split_len, mask_bits)

@@ -174,3 +174,21 @@ def test_bf16_compiled_agrees_with_sdpa_on_cuda(name, sdpa_bf16_outputs):
     for ref, ours in zip(sdpa_bf16_outputs, bf16_compiled_outputs(name)):
         same = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), len(ref))
         assert same >= 8, (ref, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["eager", "reduce_overhead"])
+def test_tree_speculation_through_triton_equals_plain_on_cuda(compile_mode):
+    """n-gram trees verified by attention=triton (the tree mask packed into a word per row), eager and in CUDA
+    graphs: tiny_llama's greedy tokens equal plain decoding with sdpa, and no KV slot is left allocated."""
+    from tests.test_gpu import cuda_overrides
+
+    prompts = [{"prompt": p, "max_tokens": 24} for p in ["a b c a b c a b", "The quick brown fox", "1, 2, 3, 1, 2,"]]
+    common = ["model=tiny_llama", "model.dtype=float32", "scheduler.max_running_requests=4",
+              "compile.batch_sizes=[1,2,4]"]
+    plain = [o.token_ids for o in LLM(cuda_overrides(*common, "compile=eager")).generate(prompts)]
+    llm = LLM(cuda_overrides(*common, f"compile={compile_mode}", "attention=triton", "speculative=ngram",
+                             "speculative.num_steps=4", "speculative.topk=4", "speculative.num_draft_tokens=8"))
+    assert [o.token_ids for o in llm.generate(prompts)] == plain
+    assert llm.engine.spec_worker.stats.num_verify_steps > 0
+    llm.engine.allocator.assert_all_free()

@@ -21,7 +21,7 @@ import torch
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.dispatch import interpreter_active
 from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.split_kv_attention import split_policy, split_slots
+from kernels.split_kv_attention import pack_mask_bits, split_policy, split_slots
 from kernels.store_kv import store_kv, store_kv_reference
 from kernels.verify_attention import verify_attention, verify_attention_reference
 
@@ -64,8 +64,9 @@ def tree_mask(bs: int, q_len: int, width: int, seed: int) -> torch.Tensor:
 
 def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens: list[int], q_len: int,
                    mask_width, policy: tuple[int, int, int], device: str = "cpu",
-                   dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0) -> None:
-    """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal."""
+                   dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0, bits: bool = False) -> None:
+    """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal; ``bits``: the kernel
+    reads the mask packed by pack_mask_bits (as attention=triton passes masks up to 64 keys wide)."""
     width = max(seq_lens) + 5
     table, rpi, num_slots = paged_table(seq_lens, page_size, width, device, seed)
     k_cache, v_cache = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
@@ -78,7 +79,8 @@ def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens
         ref = decode_attention_reference(q, k_cache, v_cache, table, rpi, seq, scale, *policy)
     else:
         mask = None if mask_width is None else tree_mask(bs, q_len, mask_width, seed + 3).to(device)
-        out = verify_attention(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy)
+        packed = pack_mask_bits(mask) if bits else None
+        out = verify_attention(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy, mask_bits=packed)
         ref = verify_attention_reference(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -150,6 +152,25 @@ def test_verify_kernel_takes_a_byte_mask_interpreted():
 
 def test_verify_reference_takes_a_byte_mask():
     verify_with_byte_mask(verify_attention_reference)
+
+
+def test_pack_mask_bits_sets_bit_i_for_key_i():
+    mask = tree_mask(3, 5, 64, 31)
+    mask[0, 0, 63] = True  # bit 63: the sign bit
+    words = pack_mask_bits(mask.to(torch.uint8))  # bool and uint8 pack alike
+    assert words.shape == (3, 5) and words.dtype == torch.int64
+    assert torch.equal(words, pack_mask_bits(mask))
+    unpacked = (words[..., None] >> torch.arange(64)) & 1
+    assert torch.equal(unpacked.bool(), mask) and words[0, 0] < 0
+
+
+@interpreted
+@pytest.mark.parametrize("q_len,mask_width,page_size", [(4, 4, 1), (3, 12, 16), (8, 64, 16)])
+def test_verify_reads_the_packed_mask(q_len, mask_width, page_size):
+    """The kernel reading ``pack_mask_bits(mask)``: the same result as the reference, up to a 64-key mask
+    (whose last key is bit 63), a request shorter than the mask included."""
+    check_split_kv(6, 2, 16, page_size, [70, 40, 130], q_len, mask_width, MANY_SPLITS, seed=q_len + mask_width,
+                   bits=True)
 
 
 @interpreted
@@ -263,7 +284,7 @@ def test_compiled_cpu_code_runs_the_references():
 
 
 def op_args(device: str) -> dict:
-    """One small argument tuple per op (fp32)."""
+    """One small argument tuple per op (fp32), keyed by the op's name (``/`` and a variant after it)."""
     table, rpi, slots = paged_table([5, 20], 4, 24, device, 9)
     k_cache, v_cache = random_pool(slots, 2, 16, torch.float32, device, 10)
     seq = torch.tensor([5, 20], device=device)
@@ -275,6 +296,8 @@ def op_args(device: str) -> dict:
                      torch.randn(2, 2, 16, device=device)),
         "decode_attention": (q2, k_cache, v_cache, table, rpi, seq, 0.25, *MANY_SPLITS),
         "verify_attention": (q6, k_cache, v_cache, table, rpi, seq, mask, 3, 0.25, *MANY_SPLITS),
+        "verify_attention/bits": (q6, k_cache, v_cache, table, rpi, seq, mask, 3, 0.25, *MANY_SPLITS,
+                                  pack_mask_bits(mask)),
         "extend_attention": (q6, k_cache, v_cache, table, rpi, seq, torch.cumsum(lens, 0) - lens, lens, 4, 0.25),
     }
 
@@ -284,7 +307,7 @@ def test_opcheck_interpreted():
     """Schema and autograd registration with the interpreted kernels (the fake-tensor checks cannot run an
     interpreted kernel; they run in the next test and on the GPU)."""
     for name, args in op_args("cpu").items():
-        torch.library.opcheck(getattr(torch.ops.tfs, name), args,
+        torch.library.opcheck(getattr(torch.ops.tfs, name.split("/")[0]), args,
                               test_utils=("test_schema", "test_autograd_registration"))
 
 
@@ -292,7 +315,7 @@ def test_opcheck_fake_tensors_without_interpreter():
     """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body: opcheck
     compares the two (shapes, dtypes, strides) and the schema's mutation claims."""
     run_opcheck_without_interpreter("from tests.test_kernels_attention import op_args\n"
-                                    "cases = [(getattr(torch.ops.tfs, name), args) for name, args in "
+                                    "cases = [(getattr(torch.ops.tfs, name.split('/')[0]), args) for name, args in "
                                     "op_args('cpu').items()]\n")
 
 
@@ -347,11 +370,12 @@ def test_decode_on_cuda_float32_is_exact():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_len,mask_width", [(8, 8), (4, 12), (8, None)])
-def test_verify_on_cuda(q_len, mask_width):
+@pytest.mark.parametrize("q_len,mask_width,bits", [(8, 8, False), (8, 8, True), (4, 12, False), (8, 64, True),
+                                                   (8, None, False)])
+def test_verify_on_cuda(q_len, mask_width, bits):
     lens = torch.randint(16, 4096, (32,), generator=torch.Generator().manual_seed(q_len)).tolist()
     check_split_kv(**LLAMA, page_size=16, seq_lens=lens, q_len=q_len, mask_width=mask_width,
-                   policy=split_policy(torch.device("cuda"), q_len), **BF16)
+                   policy=split_policy(torch.device("cuda"), q_len), bits=bits, **BF16)
 
 
 @pytest.mark.gpu
@@ -378,7 +402,7 @@ def test_store_kv_on_cuda():
 @pytest.mark.gpu
 def test_opcheck_on_cuda():
     for name, args in op_args("cuda").items():
-        torch.library.opcheck(getattr(torch.ops.tfs, name), args)
+        torch.library.opcheck(getattr(torch.ops.tfs, name.split("/")[0]), args)
 
 
 @pytest.mark.gpu

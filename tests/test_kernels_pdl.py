@@ -18,7 +18,7 @@ from kernels.gemv import gemv
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
 from kernels.rope_store import rope_store_kv
-from kernels.split_kv_attention import split_policy
+from kernels.split_kv_attention import pack_mask_bits, split_policy
 from kernels.verify_attention import verify_attention
 from tests.test_kernels_attention import paged_table, random_pool, tree_mask
 from tests.test_kernels_gemv import gemv_args
@@ -74,10 +74,12 @@ def test_pdl_ops_equal_plain_ops() -> None:
     assert torch.equal(decode_attention(*decode, pdl=True), decode_attention(*decode))
     torch.library.opcheck(torch.ops.tfs.decode_attention_pdl, decode)
     policy = split_policy(torch.device("cuda"), 8)
-    for masked in (False, True):
+    for masked, packed in ((False, False), (True, False), (True, True)):
         q, k_cache, v_cache, table, rpi, seq, mask = attention_args(8, masked, 7)
-        verify = (q, k_cache, v_cache, table, rpi, seq, mask, 8, 128 ** -0.5, *policy)
-        assert torch.equal(verify_attention(*verify, pdl=True), verify_attention(*verify))
+        verify = (q, k_cache, v_cache, table, rpi, seq, mask, 8, 128 ** -0.5, *policy,
+                  pack_mask_bits(mask) if packed else None)
+        assert torch.equal(verify_attention(*verify[:-1], pdl=True, mask_bits=verify[-1]),
+                           verify_attention(*verify[:-1], mask_bits=verify[-1]))
         torch.library.opcheck(torch.ops.tfs.verify_attention_pdl, verify)
 
 

@@ -38,7 +38,9 @@ class TritonMetadata:
     seq_lens: torch.Tensor  # [bs] keys of each request after this forward
     q_len: int  # uniform modes: tokens per request; EXTEND: the longest request's new tokens
     split_policy: tuple[int, int, int]  # (max_splits, target_programs, min_split_len) of the split-K kernel
-    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] uint8 (0 / 1) over each request's last keys
+    custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] over each request's last keys: uint8 0 / 1,
+    # or the batch's bool mask when mask_bits holds it
+    mask_bits: Optional[torch.Tensor] = None  # [bs, q_len] int64: custom_mask packed, bit i = key i (width <= 64)
     q_starts: Optional[torch.Tensor] = None  # EXTEND: [bs] first flat token of each request
     q_lens: Optional[torch.Tensor] = None  # EXTEND: [bs] new tokens of each request
 
@@ -67,13 +69,14 @@ class TritonBackend(AttentionBackend):
         from kernels.extend_attention import extend_attention
         from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
         from kernels.rope_store import rope_store_kv
-        from kernels.split_kv_attention import split_policy
+        from kernels.split_kv_attention import MASK_WORD_BITS, pack_mask_bits, split_policy
         from kernels.store_kv import store_kv
         from kernels.verify_attention import verify_attention
 
         self._decode, self._extend, self._verify, self._store = decode_attention, extend_attention, \
             verify_attention, store_kv
         self._split_policy = split_policy
+        self._pack_mask_bits, self._mask_word_bits = pack_mask_bits, MASK_WORD_BITS
         self._rope_store = rope_store_kv
         self._qkv_rope_store, self._qkv_rope_store_applies = qkv_rope_store, qkv_rope_store_applies
         self._policies: dict[int, tuple[int, int, int]] = {}
@@ -91,10 +94,15 @@ class TritonBackend(AttentionBackend):
     def init_metadata(self, batch: ForwardBatch) -> TritonMetadata:
         table = self.allocator.req_to_token
         if batch.mode.uniform:
-            # the kernel reads the mask as bytes: converted once per step here, not once per layer in the graph
-            mask = batch.custom_mask.to(torch.uint8) if batch.custom_mask is not None else None
+            # the kernel reads the mask as one word per row (up to 64 keys wide) or as bytes: converted once per
+            # step here, not once per layer in the graph
+            mask, bits = batch.custom_mask, None
+            if mask is not None and mask.shape[2] <= self._mask_word_bits:
+                bits = self._pack_mask_bits(mask)  # the kernel reads only the bool mask's width
+            elif mask is not None:
+                mask = mask.to(torch.uint8)
             return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
-                                  self.policy(batch.q_len), mask)
+                                  self.policy(batch.q_len), mask, bits)
         if batch.custom_mask is not None:
             raise NotImplementedError("attention=triton: EXTEND with a custom mask (masks are for uniform modes)")
         lens = list(batch.extend_lens_cpu)
@@ -109,6 +117,8 @@ class TritonBackend(AttentionBackend):
         dims = [(meta.out_cache_loc, 0), (meta.req_pool_indices, 0), (meta.seq_lens, 0)]
         if meta.custom_mask is not None:  # batch and mask width (draft steps widen it) vary; q_len does not
             dims += [(meta.custom_mask, 0), (meta.custom_mask, 2)]
+        if meta.mask_bits is not None:
+            dims += [(meta.mask_bits, 0)]
         return dims
 
     def forward_qkv(self, qkv: torch.Tensor, rope: Any, layer: int, meta: TritonMetadata) -> torch.Tensor:
@@ -147,5 +157,6 @@ class TritonBackend(AttentionBackend):
                                self.scale, *meta.split_policy, pdl=self.pdl)
         else:
             out = self._verify(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                               meta.custom_mask, meta.q_len, self.scale, *meta.split_policy, pdl=self.pdl)
+                               meta.custom_mask, meta.q_len, self.scale, *meta.split_policy, pdl=self.pdl,
+                               mask_bits=meta.mask_bits)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * head_dim]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (eleventh session), H200. Usage: bash bench/gpu_session17.sh a|b|c
+# Results: docs/PERFORMANCE.md, "Eleventh session".
+#   a: verify reading the tree mask as packed bits (pack_mask_bits) against bytes, same lease (bench/ab_verify_mask.py);
+#      then the split-K kernel's GPU tests, compiled ones included
+#   b: the issue's table (bench/bench_attention.py: verify with the mask as attention=triton passes it, bits)
+#   c: the PDL ops and the backends on the GPU, and lossless speculation (tree verify) through attention=triton
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
+case "${1:-a}" in
+  a) timeout 200 python3 bench/ab_verify_mask.py 2>&1 | tee "$OUT/ab_verify_mask.log"
+     gpu_tests gpu_kernels.log 330 tests/test_kernels_attention.py ;;
+  b) timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
+     timeout 200 python3 bench/ab_verify_mask.py --rounds 5 --configs 1x4096 1x32768 2>&1 \
+       | tee "$OUT/ab_verify_mask2.log" ;;
+  c) gpu_tests gpu_pdl_backends.log 420 tests/test_kernels_pdl.py \
+       "tests/test_attention_backends.py::test_backend_matches_reference_on_cuda" \
+       "tests/test_attention_backends.py::test_greedy_equals_sdpa_on_cuda[triton-reduce_overhead]" \
+       "tests/test_attention_backends.py::test_bf16_compiled_agrees_with_sdpa_on_cuda[triton]"
+     gpu_tests gpu_spec.log 150 tests/test_attention_backends.py -k tree_speculation_through_triton ;;
+esac
