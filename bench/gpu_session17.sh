@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU leases of 2026-12-01 (eleventh session), H200. Usage: bash bench/gpu_session17.sh a|b|c
-# Results: docs/PERFORMANCE.md, "Eleventh session".
+# Results: docs/PERFORMANCE.md, "Eleventh session". Leases a and b ran at 3df4f7c, where the packed mask's word was
+# loaded at the start of the checked tail of every program (one more round trip for programs that mask nothing);
+# lease d measures the word loaded in the prologue, only by programs whose keys reach the mask.
 #   a: verify reading the tree mask as packed bits (pack_mask_bits) against bytes, same lease (bench/ab_verify_mask.py);
 #      then the split-K kernel's GPU tests, compiled ones included
 #   b: the issue's table (bench/bench_attention.py: verify with the mask as attention=triton passes it, bits)
 #   c: the PDL ops and the backends on the GPU, and lossless speculation (tree verify) through attention=triton
+#   d: a and b's timings again (the A/B, then the issue's table)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 200 python3 bench/ab_verify_mask.py 2>&1 | tee "$OUT/ab_verify_mask.log"
@@ -17,4 +20,6 @@ case "${1:-a}" in
        "tests/test_attention_backends.py::test_greedy_equals_sdpa_on_cuda[triton-reduce_overhead]" \
        "tests/test_attention_backends.py::test_bf16_compiled_agrees_with_sdpa_on_cuda[triton]"
      gpu_tests gpu_spec.log 150 tests/test_attention_backends.py -k tree_speculation_through_triton ;;
+  d) timeout 200 python3 bench/ab_verify_mask.py 2>&1 | tee "$OUT/ab_verify_mask3.log"
+     timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention2.log" | grep -v "^page" ;;
 esac
