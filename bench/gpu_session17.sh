@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU leases of 2026-12-01 (eleventh session), H200. Usage: bash bench/gpu_session17.sh a|b|c
-# Results: docs/PERFORMANCE.md, "Eleventh session". Leases a and b ran at 3df4f7c, where the packed mask's word was
-# loaded at the start of the checked tail of every program (one more round trip for programs that mask nothing);
-# lease d measures the word loaded in the prologue, only by programs whose keys reach the mask.
+# Results: docs/PERFORMANCE.md, "Eleventh session". Leases a and b ran at 3df4f7c (the packed mask's word loaded at
+# the start of each program's checked tail), which is the kernel kept; lease d ran at e826e5e (the word loaded in the
+# prologue, only by programs whose keys reach the mask), which was slower and reverted: re-running d now measures
+# the kept kernel.
 #   a: verify reading the tree mask as packed bits (pack_mask_bits) against bytes, same lease (bench/ab_verify_mask.py);
 #      then the split-K kernel's GPU tests, compiled ones included
 #   b: the table (bench/bench_attention.py: verify with the mask as attention=triton passes it, bits)

@@ -73,23 +73,25 @@ def _visibility(seq_len, start, end, t, mask_width, Q_LEN: tl.constexpr, HAS_MAS
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask,
+def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, CHECK: tl.constexpr,
                   IEEE_DOT: tl.constexpr):
     """Fold keys ``[lo, hi)`` into the running state. ``CHECK``: apply the causal rule or the custom mask (the few
     tiles near the end of a request); otherwise every key in range is visible to every row (the bulk of them).
-    ``mask``: the request's byte mask rows, gathered per tile; with ``MASK_BITS``, each row's int64 word
-    ``[BLOCK_M]`` (bit ``i``: key ``region + i``), already loaded."""
+    ``MASK_BITS``: the mask is one int64 word per row (bit ``i``: key ``region + i``), loaded once; otherwise a
+    byte per (row, key), gathered per tile."""
+    if CHECK and MASK_BITS:
+        word = tl.load(mask_row + t * stride_mt, mask=row_ok, other=0)  # [BLOCK_M] int64
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         if CHECK and HAS_MASK:  # issued first: the mask's round trip overlaps the K load's
             rel = j[None, :] - region  # [1, BLOCK_N]; < mask_width <= 64 where keys exist
             if MASK_BITS:
-                tree = (mask[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+                tree = (word[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
             else:
-                tree = tl.load(mask + t[:, None] * stride_mt + rel,
+                tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
                                mask=row_ok[:, None] & (rel >= 0) & j_ok[None, :], other=0)
         slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
@@ -140,20 +142,18 @@ def _split_kv_partial_kernel(
         gdc_launch_dependents()
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+    mask_row = Mask + b * stride_mb
     last_key, region, mid = _visibility(seq_len, start, end, t, mask_width, Q_LEN, HAS_MASK, BLOCK_N)
-    mask = Mask + b * stride_mb
-    if MASK_BITS:  # issued before the bulk of keys, which hides its latency; none where no key is masked
-        mask = tl.load(mask + t * stride_mt, mask=t < tl.where(end > region, Q_LEN, 0), other=0)  # [BLOCK_M] int64
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, start, mid, K_cache, V_cache, slot_row,
-                                  kv_head * stride_kh, kv_head * stride_vh, mask, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
                                   False, IEEE_DOT)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, mid, end, K_cache, V_cache, slot_row,
-                                  kv_head * stride_kh, kv_head * stride_vh, mask, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
                                   True, IEEE_DOT)
 
