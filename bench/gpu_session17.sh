@@ -9,6 +9,7 @@
 #   b: the issue's table (bench/bench_attention.py: verify with the mask as attention=triton passes it, bits)
 #   c: the PDL ops and the backends on the GPU, and lossless speculation (tree verify) through attention=triton
 #   d: a and b's timings again (the A/B, then the issue's table)
+#   e: the Llama-3-8B-shaped decode step (batch 1, context 1k) under reduce-overhead with attention=triton
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 200 python3 bench/ab_verify_mask.py 2>&1 | tee "$OUT/ab_verify_mask.log"
@@ -23,4 +24,6 @@ case "${1:-a}" in
      gpu_tests gpu_spec.log 150 tests/test_attention_backends.py -k tree_speculation_through_triton ;;
   d) timeout 200 python3 bench/ab_verify_mask.py 2>&1 | tee "$OUT/ab_verify_mask3.log"
      timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention2.log" | grep -v "^page" ;;
+  e) timeout 200 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 0 \
+       -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" | tee "$OUT/profile_8b.log" ;;
 esac
