@@ -295,7 +295,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
-        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch,
     )
     wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
