@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import DIM, DRAFT, HEADS, KV_HEADS, SCALE, check, paged_cache, time_us  # noqa: E402
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers the ops)
-from kernels.split_kv_attention import pack_mask_bits, split_kv_attention_reference, split_policy  # noqa: E402
+from kernels.mask_bits import pack_mask_bits  # noqa: E402
+from kernels.split_kv_attention import split_kv_attention_reference, split_policy  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
 
 

@@ -80,6 +80,7 @@ def _split_kv_partial_kernel_t(
 ):
     """Same arguments and result as ``kernels.split_kv_attention._split_kv_partial_kernel`` (no PDL, bf16 / fp16
     caches: the default dot precision, a byte mask only)."""
+    tl.static_assert(not MASK_BITS, "the transposed probe kernel reads the mask's bytes, not packed words")
     scale_log2e = tl.cast(scale_log2e, tl.float32)
     b, kv_head, split, seq_len, n_splits, start, end, t, row_ok, token, head = _program_tile(
         Seq_lens, programs_per_split, max_splits, target_programs, min_split_len, Q_LEN, GROUP, M_BLOCKS, BLOCK_M,

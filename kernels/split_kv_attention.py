@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kernels.mask_bits import MASK_WORD_BITS
 from kernels.online_softmax import dot, online_softmax_step
 from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 
@@ -260,7 +261,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
     in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: both
     with programmatic dependent launch (from an opaque op: kernels/pdl.py). ``mask_bits``: ``custom_mask`` packed
-    by :func:`pack_mask_bits` (widths up to 64), which the kernel then reads instead."""
+    by :func:`kernels.mask_bits.pack_mask_bits` (widths up to 64), which the kernel then reads instead (the mask's
+    own bytes are not read: only its width)."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -277,8 +279,12 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     use_bits = has_mask and mask_bits is not None
     mask_width = custom_mask.shape[2] if has_mask else 0
     mask = seq_lens  # an unused stand-in without a mask
+    torch._check(mask_bits is None or has_mask, lambda: "split-K attention: mask_bits without its custom_mask")
     if use_bits:  # [bs, q_len] int64 words, packed once per step (TritonBackend.init_metadata)
         torch._check(mask_width <= MASK_WORD_BITS, lambda: f"mask_bits: a mask {mask_width} keys wide is over 64")
+        torch._check(mask_bits.dtype == torch.int64 and mask_bits.dim() == 2,
+                     lambda: f"mask_bits: [bs, q_len] int64 words, not {mask_bits.dtype} {tuple(mask_bits.shape)}")
+        torch._check(mask_bits.shape[1] == custom_mask.shape[1], lambda: "mask_bits: one word per query row")
         mask = mask_bits
     elif has_mask:  # the kernel reads bytes; attention=triton converts once per step (TritonBackend.init_metadata)
         # NOTE: a converting copy, not .view(torch.uint8): inductor (torch 2.11) cannot lower a bool->uint8 bitcast
@@ -306,20 +312,6 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         USE_PDL=pdl, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
     )
     return out
-
-
-MASK_WORD_BITS = 64  # widest mask pack_mask_bits packs
-
-
-def pack_mask_bits(custom_mask: torch.Tensor) -> torch.Tensor:
-    """``custom_mask`` ``[bs, q_len, width <= 64]`` (bool, or uint8 0 / 1) as one int64 word per query row
-    ``[bs, q_len]``, bit ``i`` = key ``i`` of the mask (bit 63 is the sign bit). The split-K kernel reads the word
-    once per program instead of gathering a byte per (row, key); attention=triton packs once per step."""
-    width = custom_mask.shape[2]
-    torch._check(width <= MASK_WORD_BITS, lambda: f"pack_mask_bits: a mask {width} keys wide is over 64")
-    bits = torch.arange(width, device=custom_mask.device, dtype=torch.int64)
-    # distinct powers of two: the sum is their bitwise or, wrapping into the sign bit for bit 63
-    return ((custom_mask != 0).to(torch.int64) << bits).sum(-1)
 
 
 def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -371,4 +363,4 @@ def split_policy(device: torch.device, q_len: int) -> tuple[int, int, int]:
     return 4, 16, 32
 
 
-__all__ = ["launch_split_kv_attention", "pack_mask_bits", "split_kv_attention_reference", "split_policy"]
+__all__ = ["launch_split_kv_attention", "split_kv_attention_reference", "split_policy"]

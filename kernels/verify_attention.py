@@ -25,7 +25,7 @@ def verify_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q ``[bs * q_len, heads, dim]`` (request-major); custom_mask ``[bs, q_len, mask_width]`` bool (or uint8 0 /
     1) or None; seq_lens ``[bs]``: keys after this forward -> ``[bs * q_len, heads, dim]`` (q's dtype).
     ``mask_bits``: optionally the same mask as ``pack_mask_bits(custom_mask)`` ``[bs, q_len]`` int64 (width <= 64),
-    which the kernel reads instead of the bytes."""
+    which the kernel reads instead of the mask's bytes (then only custom_mask's width is used)."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
                                      q_len, scale, max_splits, target_programs, min_split_len, mask_bits=mask_bits)
 
@@ -67,7 +67,8 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      q_len: int, scale: float, max_splits: int, target_programs: int,
                      min_split_len: int, pdl: bool = False, mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
-    elsewhere."""
+    elsewhere. ``mask_bits``: ``custom_mask`` packed by :func:`kernels.mask_bits.pack_mask_bits`, read by the
+    kernel in its place."""
     fn = torch.ops.tfs.verify_attention if use_triton(q) else verify_attention_reference
     if pdl and q.is_cuda:
         fn = torch.ops.tfs.verify_attention_pdl

@@ -32,6 +32,9 @@ CASES = {
     "verify_tree": dict(prefix_lens=[3, 17, 64], new_lens=[8] * 3, mode=ForwardMode.TARGET_VERIFY, tree=True),
     "draft_wide_mask": dict(prefix_lens=[12, 30], new_lens=[4, 4], mode=ForwardMode.DRAFT_DECODE, tree=True,
                             mask_extra=9),
+    # wider than one word: attention=triton passes bytes (kernels/mask_bits.py)
+    "draft_mask_over_64": dict(prefix_lens=[80, 100], new_lens=[4, 4], mode=ForwardMode.DRAFT_DECODE, tree=True,
+                               mask_extra=66),
 }
 REQUESTS = [{"prompt": p, "max_tokens": 12} for p in PROMPTS[:4]]
 

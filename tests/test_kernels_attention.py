@@ -21,7 +21,8 @@ import torch
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.dispatch import interpreter_active
 from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.split_kv_attention import pack_mask_bits, split_policy, split_slots
+from kernels.mask_bits import pack_mask_bits
+from kernels.split_kv_attention import split_policy, split_slots
 from kernels.store_kv import store_kv, store_kv_reference
 from kernels.verify_attention import verify_attention, verify_attention_reference
 
@@ -66,7 +67,8 @@ def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens
                    mask_width, policy: tuple[int, int, int], device: str = "cpu",
                    dtype: torch.dtype = torch.float32, tol: float = 1e-5, seed: int = 0, bits: bool = False) -> None:
     """decode (q_len 1, no mask) or verify, kernel vs reference; ``mask_width`` None = causal; ``bits``: the kernel
-    reads the mask packed by pack_mask_bits (as attention=triton passes masks up to 64 keys wide)."""
+    reads the mask packed by pack_mask_bits (as attention=triton passes masks up to 64 keys wide), and an all-zero
+    byte mask of the same width, which it must ignore."""
     width = max(seq_lens) + 5
     table, rpi, num_slots = paged_table(seq_lens, page_size, width, device, seed)
     k_cache, v_cache = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
@@ -80,7 +82,10 @@ def check_split_kv(heads: int, kv_heads: int, dim: int, page_size: int, seq_lens
     else:
         mask = None if mask_width is None else tree_mask(bs, q_len, mask_width, seed + 3).to(device)
         packed = pack_mask_bits(mask) if bits else None
-        out = verify_attention(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy, mask_bits=packed)
+        # with the words, the kernel must not read the mask's bytes (only its width): give it a wrong mask
+        kernel_mask = torch.zeros_like(mask) if bits else mask
+        out = verify_attention(q, k_cache, v_cache, table, rpi, seq, kernel_mask, q_len, scale, *policy,
+                               mask_bits=packed)
         ref = verify_attention_reference(q, k_cache, v_cache, table, rpi, seq, mask, q_len, scale, *policy)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -165,11 +170,13 @@ def test_pack_mask_bits_sets_bit_i_for_key_i():
 
 
 @interpreted
-@pytest.mark.parametrize("q_len,mask_width,page_size", [(4, 4, 1), (3, 12, 16), (8, 64, 16)])
-def test_verify_reads_the_packed_mask(q_len, mask_width, page_size):
+@pytest.mark.parametrize("q_len,mask_width,page_size,policy", [(4, 4, 1, MANY_SPLITS), (3, 12, 16, MANY_SPLITS),
+                                                               (8, 64, 16, MANY_SPLITS), (8, 64, 16, ONE_SPLIT)])
+def test_verify_reads_the_packed_mask(q_len, mask_width, page_size, policy):
     """The kernel reading ``pack_mask_bits(mask)``: the same result as the reference, up to a 64-key mask
-    (whose last key is bit 63), a request shorter than the mask included."""
-    check_split_kv(6, 2, 16, page_size, [70, 40, 130], q_len, mask_width, MANY_SPLITS, seed=q_len + mask_width,
+    (whose last key is bit 63) that spans several checked tiles in one split, a request shorter than the mask
+    included."""
+    check_split_kv(6, 2, 16, page_size, [70, 40, 130], q_len, mask_width, policy, seed=q_len + mask_width,
                    bits=True)
 
 

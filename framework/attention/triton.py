@@ -67,9 +67,10 @@ class TritonBackend(AttentionBackend):
                               f"{num_kv_heads} KV heads")
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
+        from kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits
         from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
         from kernels.rope_store import rope_store_kv
-        from kernels.split_kv_attention import MASK_WORD_BITS, pack_mask_bits, split_policy
+        from kernels.split_kv_attention import split_policy
         from kernels.store_kv import store_kv
         from kernels.verify_attention import verify_attention
 
