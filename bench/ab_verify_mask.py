@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_attention import DIM, DRAFT, HEADS, KV_HEADS, SCALE, check, paged_cache, time_us  # noqa: E402
+from bench_attention import (DIM, DRAFT, HEADS, KV_HEADS, SCALE, check, draft_tree_mask, paged_cache,  # noqa: E402
+                             time_us)
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers the ops)
 from kernels.mask_bits import pack_mask_bits  # noqa: E402
 from kernels.split_kv_attention import split_kv_attention_reference, split_policy  # noqa: E402
@@ -36,8 +37,7 @@ def variants(bs: int, context: int) -> dict:
     k_pool, v_pool, table, _, _ = paged_cache(bs, context, 16, slots, gen)
     q1 = torch.randn(bs, HEADS, DIM, generator=gen).to("cuda", torch.bfloat16)
     q8 = torch.randn(bs * DRAFT, HEADS, DIM, generator=gen).to("cuda", torch.bfloat16)
-    mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5
-    mask = ((mask & torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril()) | torch.eye(DRAFT, dtype=torch.bool)).cuda()
+    mask = draft_tree_mask(bs, gen)
     mask8, bits = mask.to(torch.uint8), pack_mask_bits(mask)
     rpi = torch.arange(bs, device="cuda")
     seq = torch.full((bs,), context, device="cuda")

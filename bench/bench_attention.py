@@ -105,6 +105,13 @@ def verify_reference(q8: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.view(bs, KV_HEADS, DRAFT, GROUP, DIM).permute(0, 2, 1, 3, 4).reshape(bs * DRAFT, HEADS, DIM)
 
 
+def draft_tree_mask(bs: int, gen: torch.Generator) -> torch.Tensor:
+    """``[bs, DRAFT, DRAFT]`` bool on CUDA: a random tree over the draft tokens (each sees itself and some earlier
+    ones)."""
+    mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5
+    return ((mask & torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril()) | torch.eye(DRAFT, dtype=torch.bool)).cuda()
+
+
 def check(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
     err = (out.float() - ref.float()).abs().max().item()
     if not err <= 2e-2:
@@ -135,8 +142,7 @@ def bench_config(bs: int, context: int, page_size: int, slots: int, repeat: int,
         row["flex"] = float("nan")
     if with_verify:
         q8 = torch.randn(bs * DRAFT, HEADS, DIM, generator=gen).to("cuda", torch.bfloat16)
-        mask = torch.rand(bs, DRAFT, DRAFT, generator=gen) < 0.5
-        mask = ((mask & torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril()) | torch.eye(DRAFT, dtype=torch.bool)).cuda()
+        mask = draft_tree_mask(bs, gen)
         vpolicy = split_policy(torch.device("cuda"), DRAFT)
         # as attention=triton passes it (converted once per step, not per layer): packed bits, or bytes
         bits = pack_mask_bits(mask) if verify_mask == "bits" else None

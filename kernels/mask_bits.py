@@ -19,8 +19,8 @@ def _powers_of_two(device: torch.device) -> torch.Tensor:
 
 def pack_mask_bits(custom_mask: torch.Tensor) -> torch.Tensor:
     """``custom_mask`` ``[bs, q_len, width <= 64]`` (bool, or uint8 0 / 1) -> ``[bs, q_len]`` int64, bit ``i`` =
-    key ``i`` of the mask. Two kernels for a bool mask (a select and a sum), so that packing costs a step about what
-    the uint8 conversion it replaces did."""
+    key ``i`` of the mask. Two kernels for a bool mask (a select and a sum; the uint8 conversion it replaces in
+    attention=triton's step was one)."""
     width = custom_mask.shape[2]
     torch._check(width <= MASK_WORD_BITS, lambda: f"pack_mask_bits: a mask {width} keys wide is over 64")
     visible = custom_mask if custom_mask.dtype == torch.bool else custom_mask != 0

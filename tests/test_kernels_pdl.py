@@ -15,10 +15,10 @@ from framework.config import ConfigError
 from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
 from kernels.gemv import gemv
+from kernels.mask_bits import pack_mask_bits
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
 from kernels.rope_store import rope_store_kv
-from kernels.mask_bits import pack_mask_bits
 from kernels.split_kv_attention import split_policy
 from kernels.verify_attention import verify_attention
 from tests.test_kernels_attention import paged_table, random_pool, tree_mask

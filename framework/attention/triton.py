@@ -26,6 +26,7 @@ from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch
 from framework.config import ConfigError
 from framework.kv import KVAllocator, KVPool
+from kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits  # plain torch: no triton import
 
 NEEDS_CUDA = "attention=triton needs a CUDA device (set TRITON_INTERPRET=1 to run the Triton interpreter on the CPU)"
 
@@ -67,7 +68,6 @@ class TritonBackend(AttentionBackend):
                               f"{num_kv_heads} KV heads")
         from kernels.decode_attention import decode_attention
         from kernels.extend_attention import extend_attention
-        from kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits
         from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
         from kernels.rope_store import rope_store_kv
         from kernels.split_kv_attention import split_policy
@@ -77,7 +77,6 @@ class TritonBackend(AttentionBackend):
         self._decode, self._extend, self._verify, self._store = decode_attention, extend_attention, \
             verify_attention, store_kv
         self._split_policy = split_policy
-        self._pack_mask_bits, self._mask_word_bits = pack_mask_bits, MASK_WORD_BITS
         self._rope_store = rope_store_kv
         self._qkv_rope_store, self._qkv_rope_store_applies = qkv_rope_store, qkv_rope_store_applies
         self._policies: dict[int, tuple[int, int, int]] = {}
@@ -98,8 +97,8 @@ class TritonBackend(AttentionBackend):
             # the kernel reads the mask as one word per row (up to 64 keys wide) or as bytes: converted once per
             # step here, not once per layer in the graph
             mask, bits = batch.custom_mask, None
-            if mask is not None and mask.shape[2] <= self._mask_word_bits:
-                bits = self._pack_mask_bits(mask)  # the kernel reads only the bool mask's width
+            if mask is not None and mask.shape[2] <= MASK_WORD_BITS:
+                bits = pack_mask_bits(mask)  # the kernel reads only the bool mask's width
             elif mask is not None:
                 mask = mask.to(torch.uint8)
             return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
