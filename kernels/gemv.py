@@ -72,21 +72,50 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
 
 
 @triton.jit
+def _accumulate(acc, ss_late, w, X, NW, offs_m, m_ok, offs_k, k_ok, stride_xm, K, rstd,
+                NORM: tl.constexpr, SILU_MUL: tl.constexpr, LATE_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                IEEE_DOT: tl.constexpr):
+    """One K chunk of the product: ``acc`` += x chunk (prologue applied) times the weight chunk ``w``
+    ``[BLOCK_N, BLOCK_K]``; with ``LATE_NORM``, ``ss_late`` accumulates x's squares."""
+    if LATE_NORM:  # the RMS of x accumulates with the product; 1/rms scales the sums at the end
+        xr = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        ss_late += xr * xr
+        nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = xr * nw[None, :]
+    else:
+        x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
+                    w.dtype)  # [BLOCK_M, BLOCK_K]
+    if BLOCK_M == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc += dot(x, tl.trans(w), IEEE_DOT)
+    return acc, ss_late
+
+
+@triton.jit
 def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
               NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr,
-              LATE_NORM: tl.constexpr):
+              LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order); with ``USE_PDL``, the launch's wait comes first (after an L2
-    prefetch of the rows' first ``PREFETCH_K`` columns). Shared by ``tfs::gemv`` and ``tfs::qkv_rope_store``."""
+    prefetch of the rows' first ``PREFETCH_K`` columns; with ``PRELOAD``, the first ``BLOCK_K`` columns are loaded
+    into registers before the wait and the prefetch takes the ``PREFETCH_K`` after them). Shared by ``tfs::gemv``
+    and ``tfs::qkv_rope_store``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
+    tl.static_assert(not PRELOAD or USE_PDL, "PRELOAD: only before a PDL launch's wait")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
     n_ok = offs_n < N
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    offs_k0 = tl.arange(0, BLOCK_K)
+    w_first = tl.zeros((BLOCK_N, BLOCK_K), W.dtype.element_ty)
+    if PRELOAD:  # the first chunk of the weight rows, held in registers across the wait
+        w_first = tl.load(w_rows + offs_k0[None, :], mask=n_ok[:, None] & (offs_k0 < K)[None, :], other=0.0)
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
-            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64 + (BLOCK_K if PRELOAD else 0), K - 1)
             prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
         # the next kernel may launch now: its programs wait too, and prefetch their weights meanwhile (letting it
@@ -108,27 +137,18 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    if PRELOAD:  # the first chunk's product, from the registers
+        acc, ss_late = _accumulate(acc, ss_late, w_first, X, NW, offs_m, m_ok, offs_k0, offs_k0 < K, stride_xm, K,
+                                   rstd, NORM, SILU_MUL, LATE_NORM, BLOCK_M, IEEE_DOT)
+    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_ok = offs_k < K
         if EVEN_K:  # no K mask on the weight (the x loads keep theirs: always true here)
-            k_ok = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
         else:
-            k_ok = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if LATE_NORM:  # the RMS of x accumulates with the product; 1/rms scales the sums at the end
-            xr = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-            ss_late += xr * xr
-            nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = xr * nw[None, :]
-        else:
-            x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
-                        W.dtype.element_ty)  # [BLOCK_M, BLOCK_K]
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)
-        else:
-            acc += dot(x, tl.trans(w), IEEE_DOT)
+        acc, ss_late = _accumulate(acc, ss_late, w, X, NW, offs_m, m_ok, offs_k, k_ok, stride_xm, K, rstd, NORM,
+                                   SILU_MUL, LATE_NORM, BLOCK_M, IEEE_DOT)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -144,12 +164,13 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, SILU_MUL,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM).to(Y.dtype.element_ty)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if HAS_RESIDUAL:
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
@@ -173,7 +194,7 @@ def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
                 launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
-                prefetch_k: int = 0) -> torch.Tensor:
+                prefetch_k: int = 0, preload: bool = False) -> torch.Tensor:
     """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
@@ -190,6 +211,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
     torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
+    torch._check(not preload or pdl, lambda: "tfs::gemv: preload needs pdl")
     torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in (64, 128, 256, 512, 1024, 2048)),
                  lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 2048")
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
@@ -204,7 +226,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y
@@ -221,6 +243,8 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
 # `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
 PDL_PREFETCH_K = 512
+# PDL launches also load their first BLOCK_K weight columns into registers before the wait (experimental knob)
+PDL_PRELOAD = False
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
@@ -230,7 +254,8 @@ def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     ``PDL_PREFETCH_K`` weight columns (16-bit weights): an opaque op, which inductor calls as it is, so that the
     launch keeps its PDL attribute inside captured graphs."""
     prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
-    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k)
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k,
+                       preload=PDL_PRELOAD)
 
 
 @gemv_pdl_op.register_fake

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
+import kernels.gemv
 from kernels.gemv import LATE_NORM, MAX_ROWS, PDL_PREFETCH_K, gemv_reference, gemv_tile, launch_params
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
@@ -31,6 +32,7 @@ def _qkv_rope_store_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     # grid: ((heads + 2 * kv_heads) * HALF / PAIRS,); program p: PAIRS columns c of head h's first half, and c + HALF
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -39,7 +41,7 @@ def _qkv_rope_store_kernel(
     i = tl.arange(0, BLOCK_N)
     offs_n = h * HEAD_DIM + i // PAIRS * HALF + tl.program_id(0) % (HALF // PAIRS) * PAIRS + i % PAIRS  # x1s, x2s
     y = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, False,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM)
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
     y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     offs_m = tl.arange(0, BLOCK_M)
@@ -112,7 +114,7 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
         USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        PRELOAD=pdl and kernels.gemv.PDL_PRELOAD, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return q
 
