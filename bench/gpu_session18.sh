@@ -3,19 +3,30 @@
 # Results: docs/PERFORMANCE.md, "Twelfth session".
 #   a: the Llama-3-8B-shaped decode step (batch 1, context 1k), attention=triton, every kernel of one forward in order
 #   b: PDL gemvs that load their first weight chunk into registers before the wait (kernels.gemv.PDL_PRELOAD): the
-#      PDL op and chain tests with it on, then the 8B step with it off / on, alternating
+#      PDL op and chain tests with it on, then the 8B step with it off / on, alternating (lease b ran the knob as
+#      one switch, before it took launch classes)
+#   c: the same with the knob per launch class: none / qkv and down / qkv, down and gate_up, alternating
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 300 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
        -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
        > "$OUT/profile_8b_full.log"; grep -v "^ *[0-9.]* | " "$OUT/profile_8b_full.log" | tail -40 ;;
-  b) timeout 200 python3 -c "import kernels.gemv as g, pytest, sys; g.PDL_PRELOAD = True; \
+  b) timeout 200 python3 -c "import kernels.gemv as g, pytest, sys; g.PDL_PRELOAD = tuple(g.CUDA_LAUNCH); \
        sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
        '-k', 'ops_equal or chain']))" 2>&1 | tail -3
-     i=0; for v in False True False True; do i=$((i + 1))
+     all="('tall','square','wide','very_wide','vocab','rows')"
+     i=0; for v in "()" "$all" "()" "$all"; do i=$((i + 1))
        timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
-         --set kernels.gemv.PDL_PRELOAD=$v -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
-         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_preload_${i}_$v.log"
-       echo "PDL_PRELOAD=$v: $(grep 'GPU span' "$OUT/profile_8b_preload_${i}_$v.log")"
+         --set "kernels.gemv.PDL_PRELOAD=$v" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_preload_$i.log"
+       echo "PDL_PRELOAD=$v: $(grep 'GPU span' "$OUT/profile_8b_preload_$i.log")"
+     done ;;
+  c) for v in "()" "('wide','tall')" "('wide','tall','very_wide')" "()" "('wide','tall')" \
+       "('wide','tall','very_wide')"; do
+       timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
+         --set "kernels.gemv.PDL_PRELOAD=$v" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_c.log"
+       echo "PDL_PRELOAD=$v: $(grep 'GPU span' "$OUT/profile_8b_c.log")"
+       python3 bench/layer_times.py "$OUT/profile_8b_c.log"
      done ;;
 esac

@@ -178,17 +178,27 @@ def _gemv_kernel(
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
 
 
+def launch_class(m: int, n: int, k: int) -> str:
+    """The :data:`CUDA_LAUNCH` class of an ``[m, k] x [n, k]^T`` product."""
+    if m > 1:
+        return "rows"
+    if k > n:
+        return "tall"
+    if n == k:
+        return "square"
+    if n < 4 * k:
+        return "wide"
+    return "very_wide" if n < 16 * k else "vocab"
+
+
 def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[m, k] x [n, k]^T`` product on CUDA."""
-    if m > 1:
-        return CUDA_LAUNCH["rows"]
-    if k > n:
-        return CUDA_LAUNCH["tall"]
-    if n == k:
-        return CUDA_LAUNCH["square"]
-    if n < 4 * k:
-        return CUDA_LAUNCH["wide"]
-    return CUDA_LAUNCH["very_wide" if n < 16 * k else "vocab"]
+    return CUDA_LAUNCH[launch_class(m, n, k)]
+
+
+def pdl_preload(m: int, n: int, k: int) -> bool:
+    """Whether a PDL launch of this product loads its first weight chunk before the wait (:data:`PDL_PRELOAD`)."""
+    return launch_class(m, n, k) in PDL_PRELOAD
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
@@ -243,8 +253,9 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
 # `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
 PDL_PREFETCH_K = 512
-# PDL launches also load their first BLOCK_K weight columns into registers before the wait (experimental knob)
-PDL_PRELOAD = False
+# launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait
+# (experimental; docs/PERFORMANCE.md, twelfth session)
+PDL_PRELOAD: tuple[str, ...] = ()
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
@@ -255,7 +266,7 @@ def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     launch keeps its PDL attribute inside captured graphs."""
     prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k,
-                       preload=PDL_PRELOAD)
+                       preload=pdl_preload(x.shape[0], *w.shape))
 
 
 @gemv_pdl_op.register_fake

@@ -1,0 +1,53 @@
+"""Per-layer kernel times from a ``bench/profile_gpu_decode.py --timeline N`` log (N >= one forward's kernels).
+
+    python bench/layer_times.py profile.log [--per-layer 6] [--first 2]
+
+Kernels of a PDL chain overlap, so each kernel's time is counted from the previous kernel's end to its own end.
+Prints the median over the layers (the first and last layer dropped) of each of a layer's ``--per-layer`` kernels,
+their sum, and the kernels after the last layer (final norm, lm_head, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+
+ROW = re.compile(r"\s*([\d.]+) \|\s*([-\d.]+) \|\s*([\d.]+) \| (.*)")
+
+
+def timeline(path: str) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of each kernel line of the log, in order."""
+    rows = []
+    for line in open(path):
+        m = ROW.match(line)
+        if m:
+            start, duration = float(m[1]), float(m[3])
+            rows.append((start, start + duration, m[4].strip()))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log")
+    ap.add_argument("--per-layer", type=int, default=6, help="kernels per decoder layer")
+    ap.add_argument("--first", type=int, default=2, help="kernels before the first layer (input copy, embedding)")
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    rows = timeline(args.log)
+    ends = [end for _, end, _ in rows]
+    since = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, len(ends))]  # us from the previous kernel's end
+    k, first = args.per_layer, args.first
+    names, medians = [], []
+    for j in range(k):
+        names.append(rows[first + j][2][:28])
+        medians.append(statistics.median(since[first + k * layer + j] for layer in range(1, args.layers - 1)))
+    print(" | ".join(names) + " | layer")
+    print(" | ".join(f"{m:.2f}" for m in medians) + f" | {sum(medians):.1f}")
+    tail = first + k * args.layers
+    print("after the layers: " + ", ".join(f"{rows[i][2][:28]} {since[i]:.1f}" for i in range(tail, tail + 3)
+                                           if i < len(rows)))
+
+
+if __name__ == "__main__":
+    main()
