@@ -6,6 +6,8 @@
 #      PDL op and chain tests with it on, then the 8B step with it off / on, alternating (lease b ran the knob as
 #      one switch, before it took launch classes)
 #   c: the same with the knob per launch class: none / qkv and down / qkv, down and gate_up, alternating
+#   d: the merge kernel lets o_proj launch before its wait (kernels.split_kv_attention.MERGE_EARLY_TRIGGER) so that
+#      o_proj's programs load their first weight chunk while the partial kernel runs, against qkv and down preloading
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 300 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
@@ -28,5 +30,17 @@ case "${1:-a}" in
          | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_c.log"
        echo "PDL_PRELOAD=$v: $(grep 'GPU span' "$OUT/profile_8b_c.log")"
        python3 bench/layer_times.py "$OUT/profile_8b_c.log"
+     done ;;
+  d) base="kernels.gemv.PDL_PRELOAD=('wide','tall')"
+     early="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True"
+     for sets in "$base" "$early kernels.gemv.PDL_PRELOAD=('wide','tall','square')" "$early $base" \
+       "$early kernels.gemv.PDL_PRELOAD=('wide','tall','square') kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)" \
+       "$base" "$early kernels.gemv.PDL_PRELOAD=('wide','tall','square')"; do
+       # shellcheck disable=SC2086  # one --set argument per word
+       timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
+         --set $sets -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_d.log"
+       echo "$sets: $(grep 'GPU span' "$OUT/profile_8b_d.log")"
+       python3 bench/layer_times.py "$OUT/profile_8b_d.log"
      done ;;
 esac

@@ -173,7 +173,7 @@ def _split_kv_reduce_kernel(
     programs_per_split, max_splits, target_programs, min_split_len,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
     Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     # grid: (num_tokens, heads)
     token = tl.program_id(0)
@@ -186,6 +186,8 @@ def _split_kv_reduce_kernel(
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
     if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
+        if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
+            gdc_launch_dependents()
         gdc_wait()
         gdc_launch_dependents()
     lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
@@ -209,6 +211,11 @@ MIN_SPLIT_LEN = 64
 # consistent (docs/PERFORMANCE.md, tenth session)
 PARTIAL_DTYPE = torch.float32
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
+# PDL: the merge lets the next kernel launch before its own wait, so that o_proj's programs are resident (and load
+# their first weight chunk, kernels/gemv.py PDL_PRELOAD) while the partial kernel runs. Sound only when the next
+# kernel reads nothing but weights before its wait (tfs::gemv): its wait returns after this kernel completes, which
+# is after the partial kernel completes. Experimental (docs/PERFORMANCE.md, twelfth session).
+MERGE_EARLY_TRIGGER = False
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
 # or a few per program), where a loop without software pipelining wins; a verify at larger batches streams K/V and
@@ -309,7 +316,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        USE_PDL=pdl, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
+        USE_PDL=pdl, EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
     )
     return out
 

@@ -252,7 +252,7 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False) -> No
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
         BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
-        USE_PDL=use_pdl, num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
+        USE_PDL=use_pdl, EARLY_TRIGGER=False, num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
