@@ -8,6 +8,8 @@
 #   c: the same with the knob per launch class: none / qkv and down / qkv, down and gate_up, alternating
 #   d: the merge kernel lets o_proj launch before its wait (kernels.split_kv_attention.MERGE_EARLY_TRIGGER) so that
 #      o_proj's programs load their first weight chunk while the partial kernel runs, against qkv and down preloading
+#   e: around d's best (merge early trigger, qkv / down / o_proj preloading, o_proj at (8, 1024, 4, 3)): o_proj's
+#      launch, gate_up preloading too, down not preloading; the first and last run also measure the HBM floor
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 300 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
@@ -42,5 +44,18 @@ case "${1:-a}" in
          | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_d.log"
        echo "$sets: $(grep 'GPU span' "$OUT/profile_8b_d.log")"
        python3 bench/layer_times.py "$OUT/profile_8b_d.log"
+     done ;;
+  e) e0="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)"
+     pre="kernels.gemv.PDL_PRELOAD=('wide','tall','square')"
+     for sets in "--floor --set $e0 $pre" "--set $e0 $pre kernels.gemv.CUDA_LAUNCH.square=(4,1024,4,3)" \
+       "--set $e0 $pre kernels.gemv.CUDA_LAUNCH.square=(8,2048,4,3)" \
+       "--set $e0 kernels.gemv.PDL_PRELOAD=('wide','tall','square','very_wide')" \
+       "--set $e0 kernels.gemv.PDL_PRELOAD=('wide','square')" "--floor --set $e0 $pre"; do
+       # shellcheck disable=SC2086  # one argument per word
+       timeout 150 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
+         $sets -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_e.log"
+       echo "$sets: $(grep 'GPU span' "$OUT/profile_8b_e.log" | cut -c1-90)"; grep "HBM floor" "$OUT/profile_8b_e.log"
+       python3 bench/layer_times.py "$OUT/profile_8b_e.log" | tail -2
      done ;;
 esac

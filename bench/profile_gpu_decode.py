@@ -59,6 +59,16 @@ def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
     ap.error(f"--set {item}: no such module constant")
 
 
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter once, but of the embedding table one row per token
+    (a tied lm_head reads the table whole, so then it counts whole)."""
+    emb = model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied table once
+    if model.lm_head.weight is emb:
+        return total
+    return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3_8b_random")
@@ -76,6 +86,9 @@ def main() -> None:
                     help="override a module-level tuning constant (a Python literal), e.g. "
                          "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
                          "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure the copy bandwidth and print the GPU span over the HBM floor (the weight "
+                         "bytes a decode step reads over the copy bandwidth)")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     for item in args.set:
@@ -122,6 +135,13 @@ def main() -> None:
              for i in range(0, per_forward * args.reps, per_forward)]
     print(f"GPU span of one forward (first kernel start to last kernel end, median): {statistics.median(spans):.0f} us"
           " (the wall time above also counts the host's work before the graph launch)")
+    if args.floor:
+        from bench_attention import copy_bandwidth
+
+        read, gbs = step_weight_bytes(engine.model), copy_bandwidth()
+        floor_us = read / gbs / 1e3  # bytes over GB/s, in us
+        print(f"HBM floor: {read / 1e9:.2f} GB of weights at {gbs:.0f} GB/s (device copy) = "
+              f"{floor_us:.0f} us; GPU span / floor = {statistics.median(spans) / floor_us:.3f}")
     one = ordered[per_forward: per_forward + args.timeline]  # the 2nd replay
     print(f"\none forward's first {len(one)} kernels: start us | gap before us | duration us | name")
     for prev, e in zip([None, *one], one):
