@@ -10,6 +10,7 @@
 #      o_proj's programs load their first weight chunk while the partial kernel runs, against qkv and down preloading
 #   e: around d's best (merge early trigger, qkv / down / o_proj preloading, o_proj at (8, 1024, 4, 3)): o_proj's
 #      launch, gate_up preloading too, down not preloading; the first and last run also measure the HBM floor
+#   f: e's best (e0 below) with other gemv launches for qkv (wide), gate_up (very_wide) and down (tall)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 300 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
@@ -57,5 +58,16 @@ case "${1:-a}" in
          | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_e.log"
        echo "$sets: $(grep 'GPU span' "$OUT/profile_8b_e.log" | cut -c1-90)"; grep "HBM floor" "$OUT/profile_8b_e.log"
        python3 bench/layer_times.py "$OUT/profile_8b_e.log" | tail -2
+     done ;;
+  f) e0="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)"
+     e0="$e0 kernels.gemv.PDL_PRELOAD=('wide','tall','square')"
+     for alt in "" "wide=(8,1024,4,3)" "wide=(16,512,4,3)" "very_wide=(16,1024,4,3)" "very_wide=(4,1024,4,3)" \
+       "very_wide=(8,512,4,3)" "tall=(16,1024,4,3)" "tall=(8,2048,4,3)" "tall=(4,1024,4,3)" ""; do
+       # shellcheck disable=SC2086  # one argument per word
+       timeout 100 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
+         --set $e0 ${alt:+kernels.gemv.CUDA_LAUNCH.$alt} -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 \
+         | grep -v -i "warn\|DEBUG" > "$OUT/profile_8b_f.log"
+       echo "e0 ${alt:-}: $(grep 'GPU span' "$OUT/profile_8b_f.log" | cut -c70-90)"
+       python3 bench/layer_times.py "$OUT/profile_8b_f.log" | tail -2 | head -1
      done ;;
 esac
