@@ -11,6 +11,7 @@
 #   e: around d's best (merge early trigger, qkv / down / o_proj preloading, o_proj at (8, 1024, 4, 3)): o_proj's
 #      launch, gate_up preloading too, down not preloading; the first and last run also measure the HBM floor
 #   f: e's best (e0 below) with other gemv launches for qkv (wide), gate_up (very_wide) and down (tall)
+#   g: the defaults now (e0 above): the 8B step with its floor, then the GPU tests of the PDL path
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 case "${1:-a}" in
   a) timeout 300 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
@@ -70,4 +71,11 @@ case "${1:-a}" in
        echo "e0 ${alt:-}: $(grep 'GPU span' "$OUT/profile_8b_f.log" | cut -c70-90)"
        python3 bench/layer_times.py "$OUT/profile_8b_f.log" | tail -2 | head -1
      done ;;
+  g) timeout 80 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 400 \
+       --floor -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
+       > "$OUT/profile_8b_g.log"
+     grep "GPU span\|HBM floor" "$OUT/profile_8b_g.log" | cut -c1-120; python3 bench/layer_times.py "$OUT/profile_8b_g.log"
+     gpu_tests gpu_pdl.log 200 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+       tests/test_attention_backends.py -k "pdl or stale or tree_speculation_through_triton"
+     gpu_tests gpu_gemv.log 100 tests/test_kernels_gemv.py ;;
 esac

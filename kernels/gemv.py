@@ -39,7 +39,7 @@ MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to t
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
 CUDA_LAUNCH = {
     "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection
-    "square": (16, 1024, 4, 4),  # n == k, small: o_proj
+    "square": (8, 1024, 4, 3),  # n == k, small: o_proj (with PDL_PRELOAD and the merge's early trigger)
     "wide": (8, 512, 4, 3),  # k < n < 4k: qkv
     "very_wide": (8, 1024, 4, 3),  # 4k <= n < 16k: gate_up
     "vocab": (16, 256, 4, 3),  # n >= 16k: lm_head
@@ -253,9 +253,12 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
 # `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
 PDL_PREFETCH_K = 512
-# launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait
-# (experimental; docs/PERFORMANCE.md, twelfth session)
-PDL_PRELOAD: tuple[str, ...] = ()
+# launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
+# so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
+# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_attention.py
+# MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
+# docs/PERFORMANCE.md, twelfth session).
+PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())

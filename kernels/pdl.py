@@ -6,7 +6,9 @@ them get no-op stand-ins (and :data:`HAS_GDC` False).
 Rules for a kernel with a ``USE_PDL`` switch (every launch with PDL relies on all of them):
 - nothing is written before ``gdc_wait`` (the kernel before may still read the memory);
 - every program calls ``gdc_wait`` and only then ``gdc_launch_dependents``, and none returns before that (a
-  program that exits counts as having let the next kernel launch);
+  program that exits counts as having let the next kernel launch). One exception: the split-K merge
+  (``MERGE_EARLY_TRIGGER``) lets the next kernel launch before its wait, which is sound because no PDL kernel of
+  ours reads before its wait what the partial kernel (the merge's predecessor) writes, its split buffers;
 - before ``gdc_wait`` it reads only what no kernel of the step writes (weights, the KV cache of earlier steps) or
   what was written before the kernel just before it started (the batch's metadata). That holds when the kernel
   before is one of ours (it waited for its own predecessor before it let this one launch) or a plain launch (it

@@ -212,10 +212,11 @@ MIN_SPLIT_LEN = 64
 PARTIAL_DTYPE = torch.float32
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # PDL: the merge lets the next kernel launch before its own wait, so that o_proj's programs are resident (and load
-# their first weight chunk, kernels/gemv.py PDL_PRELOAD) while the partial kernel runs. Sound only when the next
-# kernel reads nothing but weights before its wait (tfs::gemv): its wait returns after this kernel completes, which
-# is after the partial kernel completes. Experimental (docs/PERFORMANCE.md, twelfth session).
-MERGE_EARLY_TRIGGER = False
+# their first weight chunk, kernels/gemv.py PDL_PRELOAD) while the partial kernel runs: 8B decode step 3.87 ms
+# instead of 3.95 (docs/PERFORMANCE.md, twelfth session). Sound because the next kernel reads before its wait
+# nothing the partial kernel writes (kernels/pdl.py); its wait returns after the merge completes, which is after
+# the partial kernel completes.
+MERGE_EARLY_TRIGGER = True
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
 # or a few per program), where a loop without software pipelining wins; a verify at larger batches streams K/V and

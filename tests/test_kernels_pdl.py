@@ -86,15 +86,16 @@ def test_pdl_ops_equal_plain_ops() -> None:
 
 @pytest.mark.gpu
 @needs_pdl
-def test_pdl_chain_in_a_cuda_graph_equals_plain() -> None:
+@pytest.mark.parametrize("lens", [[900, 17], [900]], ids=["batch2", "batch1"])
+def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
     """Four decoder-layer-shaped steps (qkv with RMSNorm and RoPE + K/V store, as two kernels or one; split-K
     decode; o with residual; the MLP's two gemvs), each kernel reading what the one before wrote: every replay's
     output and KV cache are bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with
-    PDL and without."""
+    PDL and without. At batch 1 the gemvs take their one-row launches, where qkv, o and down preload their first
+    weight chunk before the wait (kernels/gemv.py PDL_PRELOAD) and o launches before the merge's wait."""
     from framework.kv import KVPool
 
     hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
-    lens = [900, 17]
     table, rpi, num_slots = paged_table(lens, 16, 1000, "cuda", 11)
     torch._dynamo.mark_static_address(table)
     seq = torch.tensor(lens, device="cuda")
@@ -135,7 +136,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain() -> None:
             for i in range(layers):
                 pool.k[i].copy_(stale_k)
                 pool.v[i].copy_(stale_v)
-            x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(rep)).to("cuda", torch.bfloat16)
+            x = torch.randn(len(lens), hidden, generator=torch.Generator().manual_seed(rep)).to("cuda", torch.bfloat16)
             torch.compiler.cudagraph_mark_step_begin()
             outs.append((fn(x).clone(), [pool.k[i].clone() for i in range(layers)]))
         results.append(outs)
