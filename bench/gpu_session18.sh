@@ -13,12 +13,16 @@
 #      floor (in the lease only the first and the last did)
 #   f: e's best with other gemv launches for qkv (wide), gate_up (very_wide) and down (tall)
 #   g: the defaults at 1987b22 (e's best): the 8B step with its floor, then the GPU tests of the PDL path
+#   h: (not run yet) the GPU tests lease g ran out of time for, and those the review after it added
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 
-# profile_8b LOG SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into $OUT/LOG;
-# prints the GPU span, the floor when measured, and the median layer (bench/layer_times.py)
+# profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
+# $OUT/NAME_<run>.log (one log per run); prints the GPU span, the floor when measured, and the median layer
+# (bench/layer_times.py)
+run=0
 profile_8b() {
-  local log=$1 limit=$2; shift 2
+  run=$((run + 1))
+  local log="${1%.log}_$run.log" limit=$2; shift 2
   timeout "$limit" python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
     --timeline 400 "$@" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
     > "$OUT/$log"
@@ -33,13 +37,13 @@ kept="$kept kernels.gemv.PDL_PRELOAD=('wide','tall','square')"
 # shellcheck disable=SC2086  # below, $before / $kept / $sets: one --set argument per word
 case "${1:-a}" in
   a) profile_8b profile_8b_full.log 300 --set $before "kernels.gemv.PDL_PRELOAD=()"
-     grep -v "^ *[0-9.]* | " "$OUT/profile_8b_full.log" | tail -40 ;;
+     grep -v "^ *[0-9.]* | " "$OUT/profile_8b_full_1.log" | tail -40 ;;
   b) timeout 200 python3 -c "import kernels.gemv as g, pytest, sys; g.PDL_PRELOAD = tuple(g.CUDA_LAUNCH); \
        sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
        '-k', 'ops_equal or chain']))" 2>&1 | tail -3
      all="('tall','square','wide','very_wide','vocab','rows')"
-     i=0; for v in "()" "$all" "()" "$all"; do i=$((i + 1))
-       profile_8b "profile_8b_preload_$i.log" 150 --set $before "kernels.gemv.PDL_PRELOAD=$v"
+     for v in "()" "$all" "()" "$all"; do
+       profile_8b profile_8b_preload.log 150 --set $before "kernels.gemv.PDL_PRELOAD=$v"
      done ;;
   c) for v in "()" "('wide','tall')" "('wide','tall','very_wide')" "()" "('wide','tall')" \
        "('wide','tall','very_wide')"; do
@@ -66,4 +70,8 @@ case "${1:-a}" in
      gpu_tests gpu_pdl.log 200 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
        tests/test_attention_backends.py -k "pdl or stale or tree_speculation_through_triton"
      gpu_tests gpu_gemv.log 100 tests/test_kernels_gemv.py ;;
+  h) gpu_tests gpu_pdl_ops.log 200 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+       -k "ops_equal or chain or stale"
+     gpu_tests gpu_pdl_models.log 350 tests/test_kernels_pdl.py tests/test_attention_backends.py \
+       -k "model_tokens or tree_speculation_through_triton" ;;
 esac

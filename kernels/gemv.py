@@ -33,9 +33,12 @@ from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
-# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv, o
-# and lm_head (no fusion: the final norm runs before the logits rows are picked); gate_up (RMSNorm fused in,
-# LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`.
+# `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv and
+# lm_head (no fusion: the final norm runs before the logits rows are picked); gate_up (RMSNorm fused in,
+# LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`. o_proj's from the 8B decode step with PDL
+# (twelfth session): with its preload it needs programs light enough to be resident during the attention; the
+# sweep alone preferred (16, 1024, 4, 4) (3160 GB/s against 3038 for (8, 512, 4, 3)). The plain (non-PDL) launch
+# shares it, since the PDL and plain ops must agree bit for bit; the plain 8B step was not re-measured with it.
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
 CUDA_LAUNCH = {
     "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection

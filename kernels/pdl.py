@@ -6,14 +6,16 @@ them get no-op stand-ins (and :data:`HAS_GDC` False).
 Rules for a kernel with a ``USE_PDL`` switch (every launch with PDL relies on all of them):
 - nothing is written before ``gdc_wait`` (the kernel before may still read the memory);
 - every program calls ``gdc_wait`` and only then ``gdc_launch_dependents``, and none returns before that (a
-  program that exits counts as having let the next kernel launch). One exception: the split-K merge
-  (``MERGE_EARLY_TRIGGER``) lets the next kernel launch before its wait, which is sound because no PDL kernel of
-  ours reads before its wait what the partial kernel (the merge's predecessor) writes, its split buffers;
+  program that exits counts as having let the next kernel launch). One exception: at one query token the split-K
+  merge lets the next kernel launch before its own wait (``MERGE_EARLY_TRIGGER`` in split_kv_attention.py);
 - before ``gdc_wait`` it reads only what no kernel of the step writes (weights, the KV cache of earlier steps) or
-  what was written before the kernel just before it started (the batch's metadata). That holds when the kernel
-  before is one of ours (it waited for its own predecessor before it let this one launch) or a plain launch (it
-  started after everything before it finished); not after a kernel that lets its dependents launch before its
-  own wait (inductor's own PDL kernels, ``torch._inductor.config.triton.enable_pdl``, which we do not turn on).
+  what was written before the kernel just before it started, when that kernel follows these rules (it waited for
+  its own predecessor before it let this one launch). After the early-triggering merge: only what was written
+  before the partial kernel started (the merge lets the next kernel launch once every program of the partial has
+  started, hence after the kernel before the partial completed; the partial's split buffers may still be in
+  flight, and no kernel reads them before its wait). A plain launch (no PDL attribute) starts after everything
+  before it finished. None of this holds after a kernel that lets its dependents launch before its own wait in
+  other ways (inductor's own PDL kernels, ``torch._inductor.config.triton.enable_pdl``, which we do not turn on).
 """
 
 from __future__ import annotations

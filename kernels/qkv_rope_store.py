@@ -113,7 +113,8 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
         USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
-        PRELOAD=pdl and pdl_preload(m, n, k), num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        PRELOAD=pdl and pdl_preload(m, n, k), num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return q
 

@@ -189,7 +189,8 @@ def _split_kv_reduce_kernel(
         if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
             gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not EARLY_TRIGGER:
+            gdc_launch_dependents()
     lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=in_buf, other=float("-inf"))
     o = tl.load(Mid_o + token * stride_ot + head * stride_oh + s[:, None] * stride_os + d[None, :],
                 mask=in_buf[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -211,11 +212,13 @@ MIN_SPLIT_LEN = 64
 # consistent (docs/PERFORMANCE.md, tenth session)
 PARTIAL_DTYPE = torch.float32
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
-# PDL: the merge lets the next kernel launch before its own wait, so that o_proj's programs are resident (and load
-# their first weight chunk, kernels/gemv.py PDL_PRELOAD) while the partial kernel runs: 8B decode step 3.87 ms
-# instead of 3.95 (docs/PERFORMANCE.md, twelfth session). Sound because the next kernel reads before its wait
-# nothing the partial kernel writes (kernels/pdl.py); its wait returns after the merge completes, which is after
-# the partial kernel completes.
+# PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
+# lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
+# weight chunk (kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
+# (docs/PERFORMANCE.md, twelfth session). Not measured at larger batches or for verify, hence off there. Sound
+# by kernels/pdl.py's rules: the next kernel then starts after every program of the partial kernel has started
+# (so after the kernel before the partial completed), reads before its wait nothing the partial writes, and its
+# wait returns after the merge completes, which is after the partial completes.
 MERGE_EARLY_TRIGGER = True
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
@@ -317,7 +320,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        USE_PDL=pdl, EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER, num_warps=REDUCE_NUM_WARPS, **pdl_launch,
+        USE_PDL=pdl, EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, num_warps=REDUCE_NUM_WARPS,
+        **pdl_launch,
     )
     return out
 

@@ -224,8 +224,9 @@ def test_split_count_does_not_change_the_result():
     torch.testing.assert_close(results[0], results[2], rtol=1e-5, atol=1e-5)
 
 
-def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False) -> None:
-    """The merge kernel (``use_pdl``: its PDL variant) reads every split's slot of the partial buffers: the slots of
+def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False) -> None:
+    """The merge kernel (``use_pdl``: its PDL variant, ``early_trigger``: letting the next kernel launch before its
+    wait) reads every split's slot of the partial buffers: the slots of
     splits a request did not use (here NaN outputs with a large log-sum-exp, as stale memory may hold) must not
     reach the output; an empty split that was used (lse -inf, output 0) weighs nothing."""
     import triton
@@ -252,7 +253,8 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False) -> No
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
         BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
-        USE_PDL=use_pdl, EARLY_TRIGGER=False, num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
+        USE_PDL=use_pdl, EARLY_TRIGGER=early_trigger,
+        num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -262,13 +264,13 @@ def test_merge_ignores_stale_partials_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_pdl", [False, True])
-def test_merge_ignores_stale_partials_on_cuda(use_pdl):
+@pytest.mark.parametrize("use_pdl,early_trigger", [(False, False), (True, False), (True, True)])
+def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger):
     from kernels.pdl import HAS_GDC
 
     if use_pdl and not HAS_GDC:
         pytest.skip("this Triton has no grid dependency control")
-    check_merge_ignores_stale_partials("cuda", use_pdl)
+    check_merge_ignores_stale_partials("cuda", use_pdl, early_trigger)
 
 
 def test_compiled_cpu_code_runs_the_references():

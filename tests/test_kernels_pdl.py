@@ -14,7 +14,7 @@ import torch
 from framework.config import ConfigError
 from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
-from kernels.gemv import gemv
+from kernels.gemv import CUDA_LAUNCH, PDL_PRELOAD, gemv, launch_class, pdl_preload
 from kernels.mask_bits import pack_mask_bits
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
@@ -50,11 +50,27 @@ def attention_args(q_len: int, masked: bool, seed: int) -> tuple:
     return q, k_cache, v_cache, table, rpi, seq, mask
 
 
+def test_preload_classes() -> None:
+    """The launch classes that preload before a PDL wait exist (a typo would turn the preload off silently), and the
+    one-row Llama-3-8B shapes take them as measured: qkv, o and down preload; gate_up and lm_head do not; several
+    rows never do."""
+    assert set(PDL_PRELOAD) <= set(CUDA_LAUNCH)
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    assert {name: launch_class(1, n, k) for name, (n, k) in shapes.items()} == {
+        "qkv": "wide", "o": "square", "gate_up": "very_wide", "down": "tall", "lm_head": "vocab"}
+    assert [name for name, (n, k) in shapes.items() if pdl_preload(1, n, k)] == ["qkv", "o", "down"]
+    assert not any(pdl_preload(rows, n, k) for rows in (2, 16) for n, k in shapes.values())
+
+
 @pytest.mark.gpu
 @needs_pdl
 def test_pdl_ops_equal_plain_ops() -> None:
+    # the 8B layer's shapes, then one-row shapes of each preloading class with N not a multiple of BLOCK_N and K
+    # shorter than BLOCK_K or not a multiple of it (the preloaded chunk is masked, the loop after it short or empty)
     for (n, k), fusion in [((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), "silu_mul+residual"),
-                           ((1000, 576), "norm+residual")]:
+                           ((1000, 576), "norm+residual"), ((300, 300), "residual"), ((604, 500), "norm"),
+                           ((300, 1100), "silu_mul+residual")]:
         for rows, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (1, torch.float32)):
             args = gemv_args(rows, n, k, fusion, "cuda", dtype, seed=rows)
             assert torch.equal(gemv(*args, pdl=True), gemv(*args)), (n, k, fusion, rows, dtype)
@@ -96,6 +112,9 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
     from framework.kv import KVPool
 
     hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
+    if len(lens) == 1:  # qkv, o and down take preloading one-row launches; gate_up does not
+        shapes = [((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden), (hidden, inter)]
+        assert [pdl_preload(1, n, k) for n, k in shapes] == [True, True, False, True]
     table, rpi, num_slots = paged_table(lens, 16, 1000, "cuda", 11)
     torch._dynamo.mark_static_address(table)
     seq = torch.tensor(lens, device="cuda")
