@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
 import kernels.gemv as gemv_module  # noqa: E402
-from kernels.gemv import gemv_reference, launch_gemv  # noqa: E402
+from kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_gemv  # noqa: E402
 from kernels.pdl import HAS_GDC  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
@@ -173,6 +173,11 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
         for pf in (0, 512, 2048):  # with the first pf elements of each weight row prefetched before the wait
             fn = functools.partial(launch_gemv, pdl=True, prefetch_k=pf)
             paths.append((f"fused tfs::gemv, PDL, prefetch {pf}", lambda x, fn=fn: gemv_layers(x, fn)))
+        # as the model launches them (tfs::gemv_pdl): its prefetch, and the first weight chunk loaded before the
+        # wait where PDL_PRELOAD says (no attention between o_proj and the gemv before it here, unlike the model)
+        fn = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K, preload=None)
+        paths.append((f"fused tfs::gemv, PDL, prefetch {PDL_PREFETCH_K}, preload {'/'.join(PDL_PRELOAD)}",
+                      lambda x, fn=fn: gemv_layers(x, fn)))
     for name, fn in paths:
         out = fn(x0)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

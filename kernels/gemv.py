@@ -207,11 +207,12 @@ def pdl_preload(m: int, n: int, k: int) -> bool:
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
                 launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
-                prefetch_k: int = 0, preload: bool = False) -> torch.Tensor:
+                prefetch_k: int = 0, preload: Optional[bool] = False) -> torch.Tensor:
     """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
-    the program's weight rows. Only for direct launches (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside
+    the program's weight rows; ``preload``: the first ``BLOCK_K`` columns loaded into registers before the wait
+    (None: as ``tfs::gemv_pdl`` does, by launch class, :data:`PDL_PRELOAD`). Only for direct launches (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside
     ``tfs::gemv`` under torch.compile, inductor launches the kernel and cannot pass ``launch_pdl``."""
     m = x.shape[0]
     n, k = w.shape
@@ -224,6 +225,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
     torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
+    if preload is None:  # as the model's PDL launches: by launch class (PDL_PRELOAD)
+        preload = pdl and pdl_preload(m, n, k)
     torch._check(not preload or pdl, lambda: "tfs::gemv: preload needs pdl")
     torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in (64, 128, 256, 512, 1024, 2048)),
                  lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 2048")
@@ -272,7 +275,7 @@ def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     launch keeps its PDL attribute inside captured graphs."""
     prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k,
-                       preload=pdl_preload(x.shape[0], *w.shape))
+                       preload=None)
 
 
 @gemv_pdl_op.register_fake
