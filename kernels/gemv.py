@@ -212,8 +212,9 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
     the program's weight rows; ``preload``: the first ``BLOCK_K`` columns loaded into registers before the wait
-    (None: as ``tfs::gemv_pdl`` does, by launch class, :data:`PDL_PRELOAD`). Only for direct launches (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside
-    ``tfs::gemv`` under torch.compile, inductor launches the kernel and cannot pass ``launch_pdl``."""
+    (None: as ``tfs::gemv_pdl`` does, by launch class, :data:`PDL_PRELOAD`). Only for direct launches
+    (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside ``tfs::gemv`` under torch.compile, inductor launches
+    the kernel and cannot pass ``launch_pdl``."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")

@@ -112,9 +112,6 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
     from framework.kv import KVPool
 
     hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
-    if len(lens) == 1:  # qkv, o and down take preloading one-row launches; gate_up does not
-        shapes = [((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden), (hidden, inter)]
-        assert [pdl_preload(1, n, k) for n, k in shapes] == [True, True, False, True]
     table, rpi, num_slots = paged_table(lens, 16, 1000, "cuda", 11)
     torch._dynamo.mark_static_address(table)
     seq = torch.tensor(lens, device="cuda")
@@ -125,6 +122,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
                 for shape in (((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden),
                               (hidden, inter))] for _ in range(layers)]
     norms = [(torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16) for _ in range(2)]
+    if len(lens) == 1:  # qkv, o and down take preloading one-row launches; gate_up does not
+        assert [pdl_preload(1, *w.shape) for w in weights[0]] == [True, True, False, True]
     for t in [*norms, *(w for ws in weights for w in ws)]:
         torch._dynamo.mark_static_address(t)  # as the engine's parameters: not copied on every replay
     _, cos, sin, *_ = rope_args(2, heads, kv_heads, dim, "cuda", torch.bfloat16, seed=13)
