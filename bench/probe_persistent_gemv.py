@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
 from tune_gemv import chain_weights, gemv_chain, graph_ms  # noqa: E402
-from kernels.gemv import PDL_PREFETCH_K, launch_gemv, launch_params  # noqa: E402
+from kernels.gemv import launch_gemv, launch_params  # noqa: E402
 from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2  # noqa: E402
 
 
@@ -113,7 +113,7 @@ KERNEL_INFO: dict[tuple, str] = {}
 
 
 def launch_persistent(x, w, residual, norm_weight, eps, silu_mul, launch=None, per_sm=2, pdl=True,
-                      prefetch_k=PDL_PREFETCH_K):
+                      prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K's default
     """One row: ``launch_gemv``'s contract (late RMSNorm), persistent grid of ``per_sm`` programs per SM."""
     n, k = w.shape
     block_n, block_k, warps, stages = launch or launch_params(1, n, k)
@@ -139,7 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     lw, weight_bytes, x0 = chain_weights(1, args.layers)
     layers = lambda x, fn: gemv_chain(lw, x, fn)  # noqa: E731
-    base = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K)
+    base = functools.partial(launch_gemv, pdl=True, prefetch_k=None, preload=None)  # the model's
     ref = layers(x0, base)
     paths = {"tfs::gemv, PDL (the model's)": base}
     for per_sm in args.per_sm:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import copy_bandwidth  # noqa: E402
 from tune_gemv import FUSION, LINEARS, SHAPES, chain_weights, gemv_chain, graph_ms  # noqa: E402
 from probe_persistent_gemv import pdl_start, store_rows, x_chunk  # noqa: E402
-from kernels.gemv import PDL_PREFETCH_K, launch_gemv, launch_params  # noqa: E402
+from kernels.gemv import launch_gemv, launch_params  # noqa: E402
 
 
 @triton.jit
@@ -63,7 +63,7 @@ DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
 def launch_tma(x, w, residual, norm_weight, eps, silu_mul, launch=(16, 256, 4, 4), pdl=True,
-               prefetch_k=PDL_PREFETCH_K):
+               prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K's default
     """One row, ``launch_gemv``'s contract (late RMSNorm); launch = (BLOCK_N, BLOCK_K, warps, stages)."""
     n, k = w.shape
     block_n, block_k, warps, stages = launch
@@ -126,7 +126,7 @@ def sweep(args) -> dict[str, tuple]:
 
 def chain(best: dict[str, tuple], layers: int) -> None:
     lw, weight_bytes, x0 = chain_weights(1, layers)
-    base = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K)
+    base = functools.partial(launch_gemv, pdl=True, prefetch_k=None, preload=None)  # the model's
     run = lambda x, fns: gemv_chain(lw, x, fns)  # noqa: E731
     paths = {"tfs::gemv, PDL (the model's)": dict.fromkeys(LINEARS, base)}
     paths["tma at each shape's best, PDL"] = {c: functools.partial(launch_tma, launch=best[c]) for c in best}

@@ -79,9 +79,9 @@ def main() -> None:
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
                     help="replace tfs::gemv launch classes (kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
-    ap.add_argument("--pdl-prefetch-k", type=int, choices=[64, 128, 256, 512, 1024, 2048],
-                    help="weight columns every PDL gemv prefetches into L2 before its wait (kernels/gemv.py "
-                         "PDL_PREFETCH_K, also tfs::qkv_rope_store's)")
+    ap.add_argument("--pdl-prefetch-k", type=int, choices=[64, 128, 256, 512, 1024, 2048, 4096],
+                    help="weight columns every PDL gemv prefetches into L2 before its wait, in every launch class "
+                         "(kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
                     help="override a module-level tuning constant (a Python literal), e.g. "
                          "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
@@ -94,10 +94,9 @@ def main() -> None:
     for item in args.set:
         set_constant(ap, item)
     if args.pdl_prefetch_k:
-        import kernels.gemv
-        import kernels.qkv_rope_store
+        from kernels.gemv import PDL_PREFETCH_K
 
-        kernels.gemv.PDL_PREFETCH_K = kernels.qkv_rope_store.PDL_PREFETCH_K = args.pdl_prefetch_k
+        PDL_PREFETCH_K.update(dict.fromkeys(PDL_PREFETCH_K, args.pdl_prefetch_k))
     for item in args.gemv_launch:
         from kernels.gemv import CUDA_LAUNCH
 

@@ -175,8 +175,9 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
             paths.append((f"fused tfs::gemv, PDL, prefetch {pf}", lambda x, fn=fn: gemv_layers(x, fn)))
         # as the model launches them (tfs::gemv_pdl): its prefetch, and the first weight chunk loaded before the
         # wait where PDL_PRELOAD says (no attention between o_proj and the gemv before it here, unlike the model)
-        fn = functools.partial(launch_gemv, pdl=True, prefetch_k=PDL_PREFETCH_K, preload=None)
-        paths.append((f"fused tfs::gemv, PDL, prefetch {PDL_PREFETCH_K}, preload {'/'.join(PDL_PRELOAD)}",
+        fn = functools.partial(launch_gemv, pdl=True, prefetch_k=None, preload=None)
+        prefetch = "/".join(f"{c} {v}" for c, v in PDL_PREFETCH_K.items() if c != "rows")
+        paths.append((f"fused tfs::gemv, PDL, prefetch {prefetch}, preload {'/'.join(PDL_PRELOAD)}",
                       lambda x, fn=fn: gemv_layers(x, fn)))
     for name, fn in paths:
         out = fn(x0)

@@ -31,6 +31,7 @@ from kernels.online_softmax import dot
 from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
+PREFETCH_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096)  # the L2 prefetch windows a PDL launch may take
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row, by the weight's shape class, from
 # `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv and
@@ -181,6 +182,18 @@ def _gemv_kernel(
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
 
 
+# columns of each program's weight rows pulled into L2 before a PDL launch waits (after the preloaded chunk, with
+# PDL_PRELOAD), by launch class: 512 is the 32-layer chain's best (`python bench/tune_gemv.py --rows 1 --chain-only`,
+# docs/PERFORMANCE.md). A power of two from 64 to 4096; a window past the row's end is clamped to its last line.
+PDL_PREFETCH_K: dict[str, int] = dict.fromkeys(CUDA_LAUNCH, 512)
+# launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
+# so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
+# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_attention.py
+# MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
+# docs/PERFORMANCE.md, twelfth session).
+PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
+
+
 def launch_class(m: int, n: int, k: int) -> str:
     """The :data:`CUDA_LAUNCH` class of an ``[m, k] x [n, k]^T`` product."""
     if m > 1:
@@ -204,17 +217,23 @@ def pdl_preload(m: int, n: int, k: int) -> bool:
     return launch_class(m, n, k) in PDL_PRELOAD
 
 
+def pdl_prefetch_k(m: int, n: int, k: int, element_size: int) -> int:
+    """Weight columns a PDL launch of this product prefetches into L2 before the wait (:data:`PDL_PREFETCH_K`);
+    0 unless the weight is 16-bit (the prefetch counts 128-byte lines of 64 elements)."""
+    return PDL_PREFETCH_K[launch_class(m, n, k)] if element_size == 2 else 0
+
+
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
                 launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
-                prefetch_k: int = 0, preload: Optional[bool] = False) -> torch.Tensor:
+                prefetch_k: Optional[int] = 0, preload: Optional[bool] = False) -> torch.Tensor:
     """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
     the program's weight rows; ``preload``: the first ``BLOCK_K`` columns loaded into registers before the wait
-    (None: as ``tfs::gemv_pdl`` does, by launch class, :data:`PDL_PRELOAD`). Only for direct launches
-    (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside ``tfs::gemv`` under torch.compile, inductor launches
-    the kernel and cannot pass ``launch_pdl``."""
+    (None for either: as ``tfs::gemv_pdl`` does, by launch class, :data:`PDL_PREFETCH_K` / :data:`PDL_PRELOAD`).
+    Only for direct launches (``tfs::gemv_pdl``, bench/tune_gemv.py's chain): inside ``tfs::gemv`` under
+    torch.compile, inductor launches the kernel and cannot pass ``launch_pdl``."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(m <= MAX_ROWS, lambda: f"tfs::gemv serves at most {MAX_ROWS} rows, got {m}")
@@ -228,9 +247,11 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
     if preload is None:  # as the model's PDL launches: by launch class (PDL_PRELOAD)
         preload = pdl and pdl_preload(m, n, k)
+    if prefetch_k is None:  # likewise (PDL_PREFETCH_K)
+        prefetch_k = pdl_prefetch_k(m, n, k, w.element_size()) if pdl else 0
     torch._check(not preload or pdl, lambda: "tfs::gemv: preload needs pdl")
-    torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in (64, 128, 256, 512, 1024, 2048)),
-                 lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 2048")
+    torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in PREFETCH_CHOICES),
+                 lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 4096")
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
@@ -257,26 +278,14 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul)
 
 
-# columns of each program's weight rows pulled into L2 before a PDL launch waits (the 32-layer chain's best:
-# `python bench/tune_gemv.py --rows 1 --chain-only`, docs/PERFORMANCE.md)
-PDL_PREFETCH_K = 512
-# launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
-# so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
-# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_attention.py
-# MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
-# docs/PERFORMANCE.md, twelfth session).
-PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
-
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
 def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
     """``tfs::gemv`` with programmatic dependent launch (CUDA, kernels/pdl.py) after an L2 prefetch of the first
-    ``PDL_PREFETCH_K`` weight columns (16-bit weights): an opaque op, which inductor calls as it is, so that the
-    launch keeps its PDL attribute inside captured graphs."""
-    prefetch_k = PDL_PREFETCH_K if w.element_size() == 2 else 0  # the prefetch counts 128-byte lines of bf16
-    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=prefetch_k,
-                       preload=None)
+    ``PDL_PREFETCH_K`` weight columns (16-bit weights) and with ``PDL_PRELOAD``, by launch class: an opaque op, which
+    inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=None, preload=None)
 
 
 @gemv_pdl_op.register_fake

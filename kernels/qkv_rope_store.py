@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, PDL_PREFETCH_K, gemv_reference, gemv_tile, launch_params, pdl_preload
+from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, gemv_tile, launch_params, pdl_prefetch_k, pdl_preload
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
 
@@ -112,7 +112,7 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
+        USE_PDL=pdl, PREFETCH_K=pdl_prefetch_k(m, n, k, w.element_size()) if pdl else 0,
         PRELOAD=pdl and pdl_preload(m, n, k), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

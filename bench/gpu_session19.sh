@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b
+# Results: docs/PERFORMANCE.md, "Thirteenth session".
+#   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
+#   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
+#      class before): o_proj (square) prefetches while the attention runs and HBM is nearly idle; the 8B step with
+#      its floor at each setting, the defaults first and last
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
+
+# profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
+# $OUT/NAME_<run>.log (one log per run); prints the GPU span, the floor when measured, and the median layer
+run=0
+profile_8b() {
+  run=$((run + 1))
+  local log="${1%.log}_$run.log" limit=$2; shift 2
+  timeout "$limit" python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
+    --timeline 400 "$@" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
+    > "$OUT/$log"
+  echo "$*: $(grep 'GPU span' "$OUT/$log" | cut -c70-90)"
+  grep "HBM floor" "$OUT/$log"
+  python3 bench/layer_times.py "$OUT/$log" | tail -2
+}
+
+case "${1:-a}" in
+  a) gpu_tests gpu_pdl_ops.log 150 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+       -k "ops_equal or chain or stale"
+     gpu_tests gpu_pdl_models.log 300 tests/test_kernels_pdl.py tests/test_attention_backends.py \
+       -k "model_tokens or tree_speculation_through_triton"
+     gpu_tests gpu_gemv.log 100 tests/test_kernels_gemv.py ;;
+  b) pf=kernels.gemv.PDL_PREFETCH_K
+     for sets in "" "$pf.square=1024" "$pf.square=2048" "$pf.square=4096" "$pf.very_wide=1024" \
+       "$pf.very_wide=2048" "$pf.wide=1024" "$pf.tall=1024" ""; do
+       profile_8b profile_8b_b.log 75 --floor ${sets:+--set $sets}
+     done ;;
+esac
