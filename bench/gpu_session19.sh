@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d
 # Results: docs/PERFORMANCE.md, "Thirteenth session".
 #   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
 #   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
 #      class before): o_proj (square) prefetches while the attention runs and HBM is nearly idle; the 8B step with
 #      its floor at each setting, the defaults first and last
+#   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
+#   d: below
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 
 # profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
@@ -32,4 +34,17 @@ case "${1:-a}" in
        "$pf.very_wide=2048" "$pf.wide=1024" "$pf.tall=1024" ""; do
        profile_8b profile_8b_b.log 75 --floor ${sets:+--set $sets}
      done ;;
+  c) pf=kernels.gemv.PDL_PREFETCH_K  # b's best (gate_up's window 1024) against the defaults, alternating
+     for sets in "" "$pf.very_wide=1024" "" "$pf.very_wide=1024" "" "$pf.very_wide=1024" \
+       "$pf.very_wide=1024 $pf.square=1024" "$pf.very_wide=1024 $pf.tall=1024"; do
+       profile_8b profile_8b_c.log 75 --floor ${sets:+--set $sets}
+     done ;;
+  d) sk=kernels.split_kv_attention  # the defaults with gate_up's window 1024, and the split-K decode's grid: fewer
+     # programs per SM (a smaller grid and merge block) or longer splits, against the defaults; then the GPU test
+     # lease a ran out of time for
+     for sets in "" "$sk.TARGET_PROGRAMS_PER_SM.decode=2" "$sk.TARGET_PROGRAMS_PER_SM.decode=1" \
+       "$sk.MIN_SPLIT_LEN=128" "" "$sk.TARGET_PROGRAMS_PER_SM.decode=2"; do
+       profile_8b profile_8b_d.log 75 --floor ${sets:+--set $sets}
+     done
+     gpu_tests gpu_tree.log 300 tests/test_attention_backends.py -k "tree_speculation_through_triton and reduce" ;;
 esac
