@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e
 # Results: docs/PERFORMANCE.md, "Thirteenth session".
 #   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
 #   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
 #      class before): o_proj (square) prefetches while the attention runs and HBM is nearly idle; the 8B step with
 #      its floor at each setting, the defaults first and last
 #   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
-#   d: below
+#   d, e: below
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 
 # profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
@@ -47,4 +47,9 @@ case "${1:-a}" in
        profile_8b profile_8b_d.log 75 --floor ${sets:+--set $sets}
      done
      gpu_tests gpu_tree.log 300 tests/test_attention_backends.py -k "tree_speculation_through_triton and reduce" ;;
+  e) # gate_up's launch (very_wide) in the 8B step: its 56-57 us per layer are 4.2 TB/s, where lm_head streams at
+     # 4.4-4.5; launches the twelfth session's lease f did not try
+     for alt in "" "(16,512,4,3)" "(16,256,4,3)" "(8,1024,4,4)" "(8,1024,8,3)" "(32,256,4,3)" ""; do
+       profile_8b profile_8b_e.log 70 --floor ${alt:+--set kernels.gemv.CUDA_LAUNCH.very_wide=$alt}
+     done ;;
 esac
