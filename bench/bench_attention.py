@@ -31,6 +31,7 @@ from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (re
 from kernels.mask_bits import pack_mask_bits  # noqa: E402
 from kernels.split_kv_attention import split_policy  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
+from knobs import add_set_option, apply_sets  # noqa: E402  (bench/, the script's directory)
 
 HEADS, KV_HEADS, DIM = 32, 8, 128  # Llama-3-8B attention
 GROUP = HEADS // KV_HEADS
@@ -165,7 +166,9 @@ def main() -> None:
     ap.add_argument("--verify-mask", default="bits", choices=["bits", "uint8"],
                     help="the tree mask as the verify kernel reads it: packed into a word per row (attention=triton "
                          "for masks up to 64 keys wide) or a byte per key")
+    add_set_option(ap)
     args = ap.parse_args()
+    apply_sets(ap, args.set)
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     # flex is compiled per shape (static: flex's decoding kernel); one pool size for every page size of a config

@@ -10,8 +10,6 @@ forward, and the forward's wall time (CUDA events), so that the gap between kern
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import os
 import re
 import statistics
@@ -25,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
+from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
           ("attention", r"split_kv"),
@@ -36,27 +35,6 @@ def group_of(name: str) -> str:
         if re.search(pattern, name):
             return group
     return "other (fused elementwise, norms, rope, ...)"
-
-
-def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
-    """``--set module.NAME=value`` or ``module.NAME.key=value`` (a dict entry): for tuning sweeps in the model."""
-    path, _, text = item.partition("=")
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
-        try:
-            module = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        target, rest = module, parts[cut:]
-        table = getattr(module, rest[0], None)
-        if len(rest) == 2 and isinstance(table, dict) and rest[1] in table:  # an existing key, not a typo
-            table[rest[1]] = ast.literal_eval(text)
-            return
-        if len(rest) == 1 and hasattr(target, rest[0]):
-            setattr(target, rest[0], ast.literal_eval(text))
-            return
-        break
-    ap.error(f"--set {item}: no such module constant")
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
@@ -82,17 +60,13 @@ def main() -> None:
     ap.add_argument("--pdl-prefetch-k", type=int, choices=[64, 128, 256, 512, 1024, 2048, 4096],
                     help="weight columns every PDL gemv prefetches into L2 before its wait, in every launch class "
                          "(kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
-                    help="override a module-level tuning constant (a Python literal), e.g. "
-                         "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
-                         "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
+    add_set_option(ap)
     ap.add_argument("--floor", action="store_true",
                     help="also measure the copy bandwidth and print the GPU span over the HBM floor (the weight "
                          "bytes a decode step reads over the copy bandwidth)")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
-    for item in args.set:
-        set_constant(ap, item)
+    apply_sets(ap, args.set)
     if args.pdl_prefetch_k:
         from kernels.gemv import PDL_PREFETCH_K
 

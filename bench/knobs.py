@@ -1,0 +1,41 @@
+"""``--set MODULE.NAME[.KEY]=VALUE`` for the benchmarks: override a module-level tuning constant (a Python literal)
+before anything is compiled, so that a sweep or an A/B runs on one commit."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+
+
+def add_set_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
+                    help="override a module-level tuning constant (a Python literal), e.g. "
+                         "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
+                         "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
+
+
+def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
+    """``module.NAME=value`` or ``module.NAME.key=value`` (an existing dict entry); ``ap.error`` on anything else."""
+    path, _, text = item.partition("=")
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        target, rest = module, parts[cut:]
+        table = getattr(module, rest[0], None)
+        if len(rest) == 2 and isinstance(table, dict) and rest[1] in table:  # an existing key, not a typo
+            table[rest[1]] = ast.literal_eval(text)
+            return
+        if len(rest) == 1 and hasattr(target, rest[0]):
+            setattr(target, rest[0], ast.literal_eval(text))
+            return
+        break
+    ap.error(f"--set {item}: no such module constant")
+
+
+def apply_sets(ap: argparse.ArgumentParser, items: list[str]) -> None:
+    for item in items:
+        set_constant(ap, item)

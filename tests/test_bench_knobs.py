@@ -1,0 +1,35 @@
+"""bench/knobs.py: the benchmarks' ``--set`` overrides reach the module constants the kernels read, and a typo
+stops the run instead of measuring the defaults under a wrong label."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import kernels.gemv as gemv  # noqa: E402
+import kernels.split_kv_attention as sk  # noqa: E402
+from knobs import add_set_option, apply_sets  # noqa: E402
+
+
+def test_set_overrides_constants_and_dict_entries(monkeypatch):
+    monkeypatch.setattr(sk, "MERGE_CHUNK", sk.MERGE_CHUNK)
+    monkeypatch.setitem(gemv.PDL_PREFETCH_K, "square", gemv.PDL_PREFETCH_K["square"])
+    ap = argparse.ArgumentParser()
+    add_set_option(ap)
+    args = ap.parse_args(["--set", "kernels.split_kv_attention.MERGE_CHUNK=16",
+                          "kernels.gemv.PDL_PREFETCH_K.square=2048"])
+    apply_sets(ap, args.set)
+    assert sk.MERGE_CHUNK == 16 and gemv.PDL_PREFETCH_K["square"] == 2048
+
+
+@pytest.mark.parametrize("item", ["kernels.split_kv_attention.MERGE_CHUNKS=16", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
+                                  "kernels.nowhere.X=1"])
+def test_set_refuses_what_does_not_exist(item):
+    ap = argparse.ArgumentParser()
+    with pytest.raises(SystemExit):
+        apply_sets(ap, [item])
