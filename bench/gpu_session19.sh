@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e|f
 # Results: docs/PERFORMANCE.md, "Thirteenth session".
 #   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
 #   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
 #      class before): o_proj (square) prefetches while the attention runs and HBM is nearly idle; the 8B step with
 #      its floor at each setting, the defaults first and last
 #   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
-#   d, e: below
+#   d, e, f: below (f has not run)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 
 # profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
@@ -51,5 +51,19 @@ case "${1:-a}" in
      # 4.4-4.5; launches the twelfth session's lease f did not try
      for alt in "" "(16,512,4,3)" "(16,256,4,3)" "(8,1024,4,4)" "(8,1024,8,3)" "(32,256,4,3)" ""; do
        profile_8b profile_8b_e.log 70 --floor ${alt:+--set kernels.gemv.CUDA_LAUNCH.very_wide=$alt}
+     done ;;
+  f) # (not run yet: for the next session) the merge reading only the used splits, a few at a time
+     # (kernels.split_kv_attention.MERGE_CHUNK, off by default): its GPU tests, the 8B step against the defaults,
+     # alternating, and the attention benchmark (decode and verify at every shape) with it
+     mc=kernels.split_kv_attention.MERGE_CHUNK
+     gpu_tests gpu_merge_chunk.log 60 tests/test_kernels_attention.py -k stale
+     timeout 200 python3 -c "import kernels.split_kv_attention as s, pytest, sys; s.MERGE_CHUNK = 16; \
+       sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
+       'tests/test_kernels_attention.py', '-k', 'chain or decode_on_cuda or verify_on_cuda']))" 2>&1 | tail -3
+     for sets in "" "$mc=16" "$mc=8" "" "$mc=16" "$mc=8"; do
+       profile_8b profile_8b_f.log 70 --floor ${sets:+--set $sets}
+     done
+     for sets in "" "$mc=16"; do
+       timeout 150 python3 bench/bench_attention.py ${sets:+--set $sets} 2>&1 | grep -v -i warn | tail -12
      done ;;
 esac
