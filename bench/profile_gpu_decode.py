@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup-s", type=float, default=1.0,
+                    help="replay the forward for this long before measuring (the first run of a fresh machine was "
+                         "0.8% slower than the runs after it: docs/PERFORMANCE.md, thirteenth session)")
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
@@ -79,6 +83,11 @@ def main() -> None:
             ap.error(f"--gemv-launch {item}: no launch class {name!r}; classes: {', '.join(CUDA_LAUNCH)}")
         CUDA_LAUNCH[name] = tuple(int(v) for v in launch.split(","))
     engine, _, batch = decode_setup(args.model, args.mode, args.batch, args.context, 8, args.extra)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        while time.perf_counter() - start < args.warmup_s:
+            engine.runner.forward(batch)
+            torch.cuda.synchronize()
     wall = forward_times_ms(engine, batch, args.reps)
     with torch.inference_mode():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
