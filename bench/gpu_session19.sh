@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e|f
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e|f|g|h
 # Results: docs/PERFORMANCE.md, "Thirteenth session".
 #   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
 #   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
 #      class before): o_proj (square) prefetches while the attention runs and HBM is nearly idle; the 8B step with
 #      its floor at each setting, the defaults first and last
 #   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
-#   d, e, f: below (f has not run)
+#   (b and c ran before gate_up's 1024 became the default, 90574bb: they set the 512 of the time first)
+#   d-h: below (f, g and h have not run)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
 
 # profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
@@ -29,15 +30,15 @@ case "${1:-a}" in
      gpu_tests gpu_pdl_models.log 300 tests/test_kernels_pdl.py tests/test_attention_backends.py \
        -k "model_tokens or tree_speculation_through_triton"
      gpu_tests gpu_gemv.log 100 tests/test_kernels_gemv.py ;;
-  b) pf=kernels.gemv.PDL_PREFETCH_K
+  b) pf=kernels.gemv.PDL_PREFETCH_K  # every run from the windows of the time (512 in every class; later --set wins)
      for sets in "" "$pf.square=1024" "$pf.square=2048" "$pf.square=4096" "$pf.very_wide=1024" \
        "$pf.very_wide=2048" "$pf.wide=1024" "$pf.tall=1024" ""; do
-       profile_8b profile_8b_b.log 75 --floor ${sets:+--set $sets}
+       profile_8b profile_8b_b.log 75 --floor --set $pf.very_wide=512 $sets
      done ;;
-  c) pf=kernels.gemv.PDL_PREFETCH_K  # b's best (gate_up's window 1024) against the defaults, alternating
+  c) pf=kernels.gemv.PDL_PREFETCH_K  # b's best (gate_up's window 1024) against the defaults then (512), alternating
      for sets in "" "$pf.very_wide=1024" "" "$pf.very_wide=1024" "" "$pf.very_wide=1024" \
        "$pf.very_wide=1024 $pf.square=1024" "$pf.very_wide=1024 $pf.tall=1024"; do
-       profile_8b profile_8b_c.log 75 --floor ${sets:+--set $sets}
+       profile_8b profile_8b_c.log 75 --floor --set $pf.very_wide=512 $sets
      done ;;
   d) sk=kernels.split_kv_attention  # the defaults with gate_up's window 1024, and the split-K decode's grid: fewer
      # programs per SM (a smaller grid and merge block) or longer splits, against the defaults; then the GPU test
@@ -53,17 +54,21 @@ case "${1:-a}" in
        profile_8b profile_8b_e.log 70 --floor ${alt:+--set kernels.gemv.CUDA_LAUNCH.very_wide=$alt}
      done ;;
   f) # (not run yet: for the next session) the merge reading only the used splits, a few at a time
-     # (kernels.split_kv_attention.MERGE_CHUNK, off by default): its GPU tests, the 8B step against the defaults,
-     # alternating, and the attention benchmark (decode and verify at every shape) with it
+     # (kernels.split_kv_attention.MERGE_CHUNK, off by default): its GPU tests, then the 8B step against the
+     # defaults, alternating
      mc=kernels.split_kv_attention.MERGE_CHUNK
      gpu_tests gpu_merge_chunk.log 60 tests/test_kernels_attention.py -k stale
      timeout 200 python3 -c "import kernels.split_kv_attention as s, pytest, sys; s.MERGE_CHUNK = 16; \
        sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
-       'tests/test_kernels_attention.py', '-k', 'chain or decode_on_cuda or verify_on_cuda']))" 2>&1 | tail -3
-     for sets in "" "$mc=16" "$mc=8" "" "$mc=16" "$mc=8"; do
+       'tests/test_kernels_attention.py', '-k', 'ops_equal or chain or decode_on_cuda or verify_on_cuda']))" \
+       > "$OUT/gpu_merge_chunk16.log" 2>&1
+     tail -3 "$OUT/gpu_merge_chunk16.log"
+     for sets in "" "$mc=16" "" "$mc=16"; do
        profile_8b profile_8b_f.log 70 --floor ${sets:+--set $sets}
-     done
-     for sets in "" "$mc=16"; do
-       timeout 150 python3 bench/bench_attention.py ${sets:+--set $sets} 2>&1 | grep -v -i warn | tail -12
      done ;;
+  g|h) # (not run yet) the attention table (decode and verify at every shape) without (g) and with (h) MERGE_CHUNK=16
+     chunk=0; [ "$1" = h ] && chunk=16
+     timeout 400 python3 bench/bench_attention.py --set kernels.split_kv_attention.MERGE_CHUNK=$chunk 2>&1 \
+       | grep -v -i warn > "$OUT/bench_attention_chunk$chunk.log"
+     tail -14 "$OUT/bench_attention_chunk$chunk.log" ;;
 esac

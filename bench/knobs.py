@@ -9,6 +9,7 @@ import importlib
 
 
 def add_set_option(ap: argparse.ArgumentParser) -> None:
+    """Add ``--set`` (any number of ``MODULE.NAME[.KEY]=VALUE``) to a benchmark's parser."""
     ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
                     help="override a module-level tuning constant (a Python literal), e.g. "
                          "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
@@ -30,12 +31,16 @@ def set_constant(ap: argparse.ArgumentParser, item: str) -> None:
             table[rest[1]] = ast.literal_eval(text)
             return
         if len(rest) == 1 and hasattr(target, rest[0]):
-            setattr(target, rest[0], ast.literal_eval(text))
+            value = ast.literal_eval(text)
+            if isinstance(table, dict) != isinstance(value, dict):  # e.g. a table by launch class set to one number
+                ap.error(f"--set {item}: {path} is a {type(table).__name__}, not a {type(value).__name__}")
+            setattr(target, rest[0], value)
             return
         break
     ap.error(f"--set {item}: no such module constant")
 
 
 def apply_sets(ap: argparse.ArgumentParser, items: list[str]) -> None:
+    """:func:`set_constant` for each of ``items``, in order."""
     for item in items:
         set_constant(ap, item)

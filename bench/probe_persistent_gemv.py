@@ -113,7 +113,7 @@ KERNEL_INFO: dict[tuple, str] = {}
 
 
 def launch_persistent(x, w, residual, norm_weight, eps, silu_mul, launch=None, per_sm=2, pdl=True,
-                      prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K's default
+                      prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K in all but very_wide (1024)
     """One row: ``launch_gemv``'s contract (late RMSNorm), persistent grid of ``per_sm`` programs per SM."""
     n, k = w.shape
     block_n, block_k, warps, stages = launch or launch_params(1, n, k)

@@ -63,7 +63,7 @@ DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
 def launch_tma(x, w, residual, norm_weight, eps, silu_mul, launch=(16, 256, 4, 4), pdl=True,
-               prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K's default
+               prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K in all but very_wide (1024)
     """One row, ``launch_gemv``'s contract (late RMSNorm); launch = (BLOCK_N, BLOCK_K, warps, stages)."""
     n, k = w.shape
     block_n, block_k, warps, stages = launch

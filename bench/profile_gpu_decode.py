@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
+from kernels.gemv import PREFETCH_CHOICES  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
@@ -55,26 +56,27 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup-s", type=float, default=1.0,
-                    help="replay the forward for this long before measuring (the first run of a fresh machine was "
-                         "0.8% slower than the runs after it: docs/PERFORMANCE.md, thirteenth session)")
+                    help="replay the forward for this long before measuring (to test whether it removes the "
+                         "first run's 0.8%% that three of the thirteenth session's four calls showed: "
+                         "docs/PERFORMANCE.md)")
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
                     help="replace tfs::gemv launch classes (kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
-    ap.add_argument("--pdl-prefetch-k", type=int, choices=[64, 128, 256, 512, 1024, 2048, 4096],
+    ap.add_argument("--pdl-prefetch-k", type=int, choices=PREFETCH_CHOICES,
                     help="weight columns every PDL gemv prefetches into L2 before its wait, in every launch class "
-                         "(kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's)")
+                         "(kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's), before any --set")
     add_set_option(ap)
     ap.add_argument("--floor", action="store_true",
                     help="also measure the copy bandwidth and print the GPU span over the HBM floor (the weight "
                          "bytes a decode step reads over the copy bandwidth)")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
-    apply_sets(ap, args.set)
     if args.pdl_prefetch_k:
         from kernels.gemv import PDL_PREFETCH_K
 
         PDL_PREFETCH_K.update(dict.fromkeys(PDL_PREFETCH_K, args.pdl_prefetch_k))
+    apply_sets(ap, args.set)
     for item in args.gemv_launch:
         from kernels.gemv import CUDA_LAUNCH
 

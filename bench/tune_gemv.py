@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
 import kernels.gemv as gemv_module  # noqa: E402
-from kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_gemv  # noqa: E402
+from kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_class, launch_gemv  # noqa: E402
 from kernels.pdl import HAS_GDC  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
@@ -176,8 +176,10 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
         # as the model launches them (tfs::gemv_pdl): its prefetch, and the first weight chunk loaded before the
         # wait where PDL_PRELOAD says (no attention between o_proj and the gemv before it here, unlike the model)
         fn = functools.partial(launch_gemv, pdl=True, prefetch_k=None, preload=None)
-        prefetch = "/".join(f"{c} {v}" for c, v in PDL_PREFETCH_K.items() if c != "rows")
-        paths.append((f"fused tfs::gemv, PDL, prefetch {prefetch}, preload {'/'.join(PDL_PRELOAD)}",
+        classes = {name: launch_class(x0.shape[0], *lw[0][name].shape) for name in LINEARS}  # as the chain's
+        prefetch = "/".join(f"{name} {PDL_PREFETCH_K[c]}" for name, c in classes.items())
+        preload = "/".join(name for name, c in classes.items() if c in PDL_PRELOAD) or "none"
+        paths.append((f"fused tfs::gemv, PDL, prefetch {prefetch}, preload {preload}",
                       lambda x, fn=fn: gemv_layers(x, fn)))
     for name, fn in paths:
         out = fn(x0)

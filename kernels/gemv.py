@@ -185,8 +185,8 @@ def _gemv_kernel(
 # columns of each program's weight rows pulled into L2 before a PDL launch waits (after the preloaded chunk, with
 # PDL_PRELOAD), by launch class: 512, the 32-layer chain's best (`python bench/tune_gemv.py --rows 1 --chain-only`);
 # gate_up (very_wide) 1024, the 8B decode step's best (its programs launch while o_proj streams from registers and
-# L2: 3822-3825 us against 3827-3829 with 512, alternating; 2048 for gate_up, or 1024 to 4096 for o_proj, qkv or
-# down, were slower: docs/PERFORMANCE.md, thirteenth session). A power of two from 64 to 4096 (PREFETCH_CHOICES);
+# L2: 3822-3825 us against 3827-3829 with 512, alternating; 2048 for gate_up, 1024-4096 for o_proj, 1024 for qkv
+# or down were slower: docs/PERFORMANCE.md, thirteenth session). A power of two from 64 to 4096 (PREFETCH_CHOICES);
 # a window past the row's end is clamped to its last line.
 PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide": 1024}
 # launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
@@ -279,7 +279,6 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
     """x ``[m, k]`` (``[m, 2k]`` with ``silu_mul``), m <= MAX_ROWS, unit inner stride; w ``[n, k]`` contiguous;
     residual ``[m, n]`` or None; norm_weight ``[k]`` or None -> ``[m, n]`` in w's dtype."""
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul)
-
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())

@@ -332,6 +332,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
+    torch._check(MERGE_CHUNK >= 0 and MERGE_CHUNK & (MERGE_CHUNK - 1) == 0,
+                 lambda: f"split-K attention: MERGE_CHUNK {MERGE_CHUNK} is not 0 or a power of two")
     pdl_launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,

@@ -28,7 +28,7 @@ def test_set_overrides_constants_and_dict_entries(monkeypatch):
 
 
 @pytest.mark.parametrize("item", ["kernels.split_kv_attention.MERGE_CHUNKS=16", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
-                                  "kernels.nowhere.X=1"])
+                                  "kernels.nowhere.X=1", "kernels.gemv.PDL_PREFETCH_K=1024"])
 def test_set_refuses_what_does_not_exist(item):
     ap = argparse.ArgumentParser()
     with pytest.raises(SystemExit):

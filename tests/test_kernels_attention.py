@@ -227,10 +227,11 @@ def test_split_count_does_not_change_the_result():
 def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False,
                                        chunk: int = 0) -> None:
     """The merge kernel (``use_pdl``: its PDL variant, ``early_trigger``: letting the next kernel launch before its
-    wait; ``chunk``: the used splits only, ``chunk`` at a time) reads every split's slot of the partial buffers: the
-    slots of
-    splits a request did not use (here NaN outputs with a large log-sum-exp, as stale memory may hold) must not
-    reach the output; an empty split that was used (lse -inf, output 0) weighs nothing."""
+    wait) reads every split's slot of the partial buffers, or with ``chunk`` > 0 only the slots of the splits each
+    request used, ``chunk`` at a time. The slots of splits a request did not use (here NaN outputs with a large
+    log-sum-exp, as stale memory may hold) must not reach the output; an empty split that was used (lse -inf,
+    output 0) weighs nothing, also when a whole chunk of them comes first; a row whose splits are all empty gives
+    zeros."""
     import triton
 
     from kernels.split_kv_attention import _split_kv_reduce_kernel
@@ -246,8 +247,10 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
     mid_lse = mid_lse.masked_fill(stale, 100.0)
     mid_o = mid_o.masked_fill(stale[..., None], float("nan"))
     mid_lse[2:4, :, 1], mid_o[2:4, :, 1] = float("-inf"), 0.0  # an empty split of the second request
+    mid_lse[4:6, :, :2], mid_o[4:6, :, :2] = float("-inf"), 0.0  # the third's first two: an empty first chunk of 2
+    mid_lse[5, 1], mid_o[5, 1] = float("-inf"), 0.0  # a row with every split empty
     w = torch.softmax(mid_lse.masked_fill(stale, float("-inf")) * torch.log(torch.tensor(2.0)), -1)  # base 2
-    expected = (w[..., None] * mid_o.nan_to_num(0.0)).sum(2)  # [n, heads, dim]
+    expected = (w[..., None] * mid_o.nan_to_num(0.0)).sum(2).nan_to_num(0.0)  # [n, heads, dim]; empty row: 0
     mid_o, mid_lse, seq = mid_o.to(device), mid_lse.to(device), seq_lens.to(device)
     out = torch.empty(n, heads, dim, device=device)
     _split_kv_reduce_kernel[(n, heads)](

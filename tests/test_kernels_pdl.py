@@ -14,8 +14,8 @@ import torch
 from framework.config import ConfigError
 from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
-from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, launch_class, pdl_prefetch_k,
-                          pdl_preload)
+from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, launch_class,
+                          pdl_prefetch_k, pdl_preload)
 from kernels.mask_bits import pack_mask_bits
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
@@ -66,9 +66,11 @@ def test_preload_classes() -> None:
 
 def test_prefetch_windows() -> None:
     """Every launch class has an L2 prefetch window the kernel accepts (a power of two it can unroll), and a float32
-    weight prefetches nothing (the window counts 128-byte lines of 16-bit elements)."""
+    weight prefetches nothing (the window counts 128-byte lines of 16-bit elements); gate_up's window is the 8B
+    step's measured best, the others the chain's."""
     assert set(PDL_PREFETCH_K) == set(CUDA_LAUNCH)
     assert all(v in PREFETCH_CHOICES for v in PDL_PREFETCH_K.values())
+    assert PDL_PREFETCH_K["very_wide"] == 1024 and PDL_PREFETCH_K["square"] == PDL_PREFETCH_K["wide"] == 512
     assert pdl_prefetch_k(1, 4096, 4096, 2) == PDL_PREFETCH_K["square"]
     assert pdl_prefetch_k(4, 28672, 4096, 2) == PDL_PREFETCH_K["rows"]
     assert pdl_prefetch_k(1, 4096, 4096, 4) == 0
