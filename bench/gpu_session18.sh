@@ -14,22 +14,7 @@
 #   f: e's best with other gemv launches for qkv (wide), gate_up (very_wide) and down (tall)
 #   g: the defaults at 1987b22 (e's best): the 8B step with its floor, then the GPU tests of the PDL path
 #   h: (not run yet) the GPU tests lease g ran out of time for, and those the review after it added
-source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
-
-# profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
-# $OUT/NAME_<run>.log (one log per run); prints the GPU span, the floor when measured, and the median layer
-# (bench/layer_times.py)
-run=0
-profile_8b() {
-  run=$((run + 1))
-  local log="${1%.log}_$run.log" limit=$2; shift 2
-  timeout "$limit" python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
-    --timeline 400 "$@" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
-    > "$OUT/$log"
-  echo "$*: $(grep 'GPU span' "$OUT/$log" | cut -c70-90)"
-  grep "HBM floor" "$OUT/$log"
-  python3 bench/layer_times.py "$OUT/$log" | tail -2
-}
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 before="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=False kernels.gemv.CUDA_LAUNCH.square=(16,1024,4,4)"
 kept="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)"

@@ -8,21 +8,7 @@
 #   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
 #   (b and c ran before gate_up's 1024 became the default, 90574bb: they set the 512 of the time first)
 #   d-h: below (f, g and h have not run)
-source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests
-
-# profile_8b NAME SECONDS ARGS...: the 8B step's profile (ARGS: bench/profile_gpu_decode.py options) into
-# $OUT/NAME_<run>.log (one log per run); prints the GPU span, the floor when measured, and the median layer
-run=0
-profile_8b() {
-  run=$((run + 1))
-  local log="${1%.log}_$run.log" limit=$2; shift 2
-  timeout "$limit" python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 \
-    --timeline 400 "$@" -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i "warn\|DEBUG" \
-    > "$OUT/$log"
-  echo "$*: $(grep 'GPU span' "$OUT/$log" | cut -c70-90)"
-  grep "HBM floor" "$OUT/$log"
-  python3 bench/layer_times.py "$OUT/$log" | tail -2
-}
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
   a) gpu_tests gpu_pdl_ops.log 150 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
