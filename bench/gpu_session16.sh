@@ -25,7 +25,7 @@ case "${1:-a}" in
      for warps in 2 4 2 4; do  # the merge's num_warps: 2 (now) against 4 (before), alternating
        echo "merge warps $warps"
        timeout 100 python3 bench/profile_gpu_decode.py --model llama3_8b_random --batch 1 --context 1024 --timeline 12 \
-         --set kernels.split_kv_attention.REDUCE_NUM_WARPS=$warps -- attention=triton "model.tokenizer=$TFS_TOKENIZER" \
+         --set kernels.split_kv_merge.REDUCE_NUM_WARPS=$warps -- attention=triton "model.tokenizer=$TFS_TOKENIZER" \
          2>&1 | tee -a "$OUT/profile_8b_w$warps.log" | grep -E "^GPU span|reduce"
      done ;;
   e) # the tree mask read through clamped addresses without a predicate (a working tree, never committed: re-running

@@ -7,7 +7,7 @@
 #   b: PDL gemvs that load their first weight chunk into registers before the wait (kernels.gemv.PDL_PRELOAD): the
 #      PDL op and chain tests with it on, then the 8B step with it off / on in every launch class, alternating
 #   c: the knob per launch class: none / qkv and down / qkv, down and gate_up, alternating
-#   d: the merge kernel lets o_proj launch before its wait (kernels.split_kv_attention.MERGE_EARLY_TRIGGER) so that
+#   d: the merge kernel lets o_proj launch before its wait (kernels.split_kv_merge.MERGE_EARLY_TRIGGER) so that
 #      o_proj's programs load their first weight chunk while the partial kernel runs, against qkv and down preloading
 #   e: around d's best: o_proj's launch, gate_up preloading too, down not preloading; each run also measures the HBM
 #      floor (in the lease only the first and the last did)
@@ -16,8 +16,8 @@
 #   h: (not run yet) the GPU tests lease g ran out of time for, and those the review after it added
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
-before="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=False kernels.gemv.CUDA_LAUNCH.square=(16,1024,4,4)"
-kept="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)"
+before="kernels.split_kv_merge.MERGE_EARLY_TRIGGER=False kernels.gemv.CUDA_LAUNCH.square=(16,1024,4,4)"
+kept="kernels.split_kv_merge.MERGE_EARLY_TRIGGER=True kernels.gemv.CUDA_LAUNCH.square=(8,1024,4,3)"
 kept="$kept kernels.gemv.PDL_PRELOAD=('wide','tall','square')"
 # shellcheck disable=SC2086  # below, $before / $kept / $sets: one --set argument per word
 case "${1:-a}" in
@@ -35,7 +35,7 @@ case "${1:-a}" in
        profile_8b profile_8b_c.log 150 --set $before "kernels.gemv.PDL_PRELOAD=$v"
      done ;;
   d) base="kernels.gemv.PDL_PRELOAD=('wide','tall')"
-     early="kernels.split_kv_attention.MERGE_EARLY_TRIGGER=True"
+     early="kernels.split_kv_merge.MERGE_EARLY_TRIGGER=True"
      for sets in "$before $base" "$before $early kernels.gemv.PDL_PRELOAD=('wide','tall','square')" \
        "$before $early $base" "$kept" "$before $base" \
        "$before $early kernels.gemv.PDL_PRELOAD=('wide','tall','square')"; do

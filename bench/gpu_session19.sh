@@ -40,11 +40,11 @@ case "${1:-a}" in
        profile_8b profile_8b_e.log 70 --floor ${alt:+--set kernels.gemv.CUDA_LAUNCH.very_wide=$alt}
      done ;;
   f) # (not run yet: for the next session) the merge reading only the used splits, a few at a time
-     # (kernels.split_kv_attention.MERGE_CHUNK, off by default): its GPU tests, then the 8B step against the
+     # (kernels.split_kv_merge.MERGE_CHUNK, off by default): its GPU tests, then the 8B step against the
      # defaults, alternating
-     mc=kernels.split_kv_attention.MERGE_CHUNK
+     mc=kernels.split_kv_merge.MERGE_CHUNK
      gpu_tests gpu_merge_chunk.log 60 tests/test_kernels_attention.py -k stale
-     timeout 200 python3 -c "import kernels.split_kv_attention as s, pytest, sys; s.MERGE_CHUNK = 16; \
+     timeout 200 python3 -c "import kernels.split_kv_merge as s, pytest, sys; s.MERGE_CHUNK = 16; \
        sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
        'tests/test_kernels_attention.py', '-k', 'ops_equal or chain or decode_on_cuda or verify_on_cuda']))" \
        > "$OUT/gpu_merge_chunk16.log" 2>&1
@@ -54,7 +54,7 @@ case "${1:-a}" in
      done ;;
   g|h) # (not run yet) the attention table (decode and verify at every shape) without (g) and with (h) MERGE_CHUNK=16
      chunk=0; [ "$1" = h ] && chunk=16
-     timeout 400 python3 bench/bench_attention.py --set kernels.split_kv_attention.MERGE_CHUNK=$chunk 2>&1 \
+     timeout 400 python3 bench/bench_attention.py --set kernels.split_kv_merge.MERGE_CHUNK=$chunk 2>&1 \
        | grep -v -i warn > "$OUT/bench_attention_chunk$chunk.log"
      tail -14 "$OUT/bench_attention_chunk$chunk.log" ;;
 esac

@@ -28,6 +28,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kernels.split_kv_attention as skv  # noqa: E402
+import kernels.split_kv_merge as skm  # noqa: E402
 from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers the ops)
 from kernels.split_kv_attention import _program_tile, _visibility  # noqa: E402
 from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
@@ -171,7 +172,7 @@ def case(bs: int, context: int, page_size: int, dev: torch.device, dtype: torch.
 def set_variant(kernel: str, partial: torch.dtype, launch: tuple[int, int, int], target: int,
                 reduce_warps: int = 2) -> None:
     skv._split_kv_partial_kernel = KERNELS[kernel]
-    skv.REDUCE_NUM_WARPS = reduce_warps
+    skm.REDUCE_NUM_WARPS = reduce_warps
     skv.PARTIAL_DTYPE = partial
     for key in skv.CUDA_LAUNCH:
         skv.CUDA_LAUNCH[key] = launch

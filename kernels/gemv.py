@@ -191,7 +191,7 @@ def _gemv_kernel(
 PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide": 1024}
 # launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
 # so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
-# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_attention.py
+# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_merge.py
 # MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
 # docs/PERFORMANCE.md, twelfth session).
 PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
@@ -215,15 +215,15 @@ def launch_params(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return CUDA_LAUNCH[launch_class(m, n, k)]
 
 
-def pdl_preload(m: int, n: int, k: int) -> bool:
-    """Whether a PDL launch of this product loads its first weight chunk before the wait (:data:`PDL_PRELOAD`)."""
-    return launch_class(m, n, k) in PDL_PRELOAD
-
-
-def pdl_prefetch_k(m: int, n: int, k: int, element_size: int) -> int:
-    """Weight columns a PDL launch of this product prefetches into L2 before the wait (:data:`PDL_PREFETCH_K`);
-    0 unless the weight is 16-bit (the prefetch counts 128-byte lines of 64 elements)."""
-    return PDL_PREFETCH_K[launch_class(m, n, k)] if element_size == 2 else 0
+def pdl_options(m: int, n: int, k: int, element_size: int, pdl: bool = True) -> tuple[int, bool]:
+    """(prefetch_k, preload) of a launch of this product, as the model's PDL ops take them by launch class: the
+    weight columns prefetched into L2 before the wait (:data:`PDL_PREFETCH_K`; 0 unless the weight is 16-bit, as
+    the prefetch counts 128-byte lines of 64 elements) and whether the first weight chunk is loaded before it
+    (:data:`PDL_PRELOAD`). Neither without ``pdl``."""
+    if not pdl:
+        return 0, False
+    cls = launch_class(m, n, k)
+    return (PDL_PREFETCH_K[cls] if element_size == 2 else 0), cls in PDL_PRELOAD
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
@@ -248,10 +248,9 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
     torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
-    if preload is None:  # as the model's PDL launches: by launch class (PDL_PRELOAD)
-        preload = pdl and pdl_preload(m, n, k)
-    if prefetch_k is None:  # likewise (PDL_PREFETCH_K)
-        prefetch_k = pdl_prefetch_k(m, n, k, w.element_size()) if pdl else 0
+    by_class = pdl_options(m, n, k, w.element_size(), pdl)  # as the model's PDL launches
+    prefetch_k = by_class[0] if prefetch_k is None else prefetch_k
+    preload = by_class[1] if preload is None else preload
     torch._check(not preload or pdl, lambda: "tfs::gemv: preload needs pdl")
     torch._check(prefetch_k == 0 or (pdl and w.element_size() == 2 and prefetch_k in PREFETCH_CHOICES),
                  lambda: "tfs::gemv: prefetch_k needs pdl, a 16-bit weight and a power of two from 64 to 4096")

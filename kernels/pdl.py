@@ -7,7 +7,7 @@ Rules for a kernel with a ``USE_PDL`` switch (every launch with PDL relies on al
 - nothing is written before ``gdc_wait`` (the kernel before may still read the memory);
 - every program calls ``gdc_wait`` and only then ``gdc_launch_dependents``, and none returns before that (a
   program that exits counts as having let the next kernel launch). One exception: at one query token the split-K
-  merge lets the next kernel launch before its own wait (``MERGE_EARLY_TRIGGER`` in split_kv_attention.py);
+  merge lets the next kernel launch before its own wait (``MERGE_EARLY_TRIGGER`` in split_kv_merge.py);
 - before ``gdc_wait`` it reads only what no kernel of the step writes (weights, the KV cache of earlier steps) or
   what was written before the kernel just before it started, when that kernel follows these rules (it waited for
   its own predecessor before it let this one launch). After the early-triggering merge: only what was written

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, gemv_tile, launch_params, pdl_prefetch_k, pdl_preload
+from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, gemv_tile, launch_params, pdl_options
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
 
@@ -104,6 +104,7 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
     torch._check(half % (block_n // 2) == 0,
                  lambda: f"tfs::qkv_rope_store: head_dim {head_dim} needs half a multiple of {block_n // 2}")
     q = torch.empty(m, num_heads, head_dim, dtype=w.dtype, device=x.device)
+    prefetch_k, preload = pdl_options(m, n, k, w.element_size(), pdl)  # by launch class, as tfs::gemv_pdl
     nw = norm_weight if norm_weight is not None else w
     wrap_triton(_qkv_rope_store_kernel)[(n // head_dim * (half // (block_n // 2)),)](
         x, w, nw, cos, sin, positions, k_cache, v_cache, slots, q, m, n, k, eps,
@@ -112,8 +113,7 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=pdl_prefetch_k(m, n, k, w.element_size()) if pdl else 0,
-        PRELOAD=pdl and pdl_preload(m, n, k), num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return q

@@ -3,7 +3,8 @@ tokens (DECODE: 1; TARGET_VERIFY / DRAFT_*: the draft tokens) that attend to the
 read through ``req_to_token``, causally or through a custom mask over the last ``mask_width`` keys.
 
 Stage 1 splits each request's keys across up to ``max_splits`` programs, so that one long request still fills the
-GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials. The number of splits is
+GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials
+(kernels/split_kv_merge.py). The number of splits is
 decided on the device from the request's length and the batch size (never read back by the host), so one captured
 graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
 request are processed together as the rows of one tile: K/V are read once per KV head. Within a split, whole tiles
@@ -26,16 +27,9 @@ from torch.library import wrap_triton
 from kernels.mask_bits import MASK_WORD_BITS
 from kernels.online_softmax import dot, online_softmax_step
 from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
+from kernels.split_kv_merge import launch_split_kv_merge, num_kv_splits
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len):
-    """Splits for one request: enough programs to fill the device, none shorter than ``min_split_len`` keys."""
-    by_length = tl.cdiv(seq_len, min_split_len)
-    by_occupancy = tl.cdiv(target_programs, programs_per_split)
-    return tl.maximum(tl.minimum(tl.minimum(by_length, by_occupancy), max_splits), 1)
 
 
 @triton.jit
@@ -50,7 +44,7 @@ def _program_tile(Seq_lens, programs_per_split, max_splits, target_programs, min
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + b)
-    n_splits = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    n_splits = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
     split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -167,66 +161,6 @@ def _split_kv_partial_kernel(
     tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
 
 
-@triton.jit
-def _split_kv_reduce_kernel(
-    Mid_o, Mid_lse, Out, Seq_lens,
-    programs_per_split, max_splits, target_programs, min_split_len,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
-    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, CHUNK: tl.constexpr = 0,
-):
-    # grid: (num_tokens, heads). CHUNK = 0: every split slot at once (BLOCK_S of them); otherwise only the splits
-    # the request used, CHUNK at a time, merged online (MERGE_CHUNK)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    # CHUNK = 0: every split's slot is loaded at once with the request's length (one memory round trip, not two);
-    # the slots of splits this request did not use hold stale values and are dropped by the where's below
-    in_buf = s < max_splits
-    seq_len = tl.load(Seq_lens + token // Q_LEN)
-    n_used = _num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
-    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
-        if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
-            gdc_launch_dependents()
-        gdc_wait()
-        if not EARLY_TRIGGER:
-            gdc_launch_dependents()
-    lse_row = Mid_lse + token * stride_lt + head * stride_lh
-    o_row = Mid_o + token * stride_ot + head * stride_oh
-    if CHUNK == 0:
-        lse = tl.load(lse_row + s, mask=in_buf, other=float("-inf"))
-        o = tl.load(o_row + s[:, None] * stride_os + d[None, :], mask=in_buf[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        s_ok = s < n_used
-        lse = tl.where(s_ok, lse, float("-inf"))
-        o = tl.where(s_ok[:, None], o, 0.0)
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # [BLOCK_S]
-        out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    else:  # the used splits only (the slots past them are never read), CHUNK at a time, merged online
-        m_run = tl.full([1], float("-inf"), tl.float32)  # [1]: running max of the log-sum-exps
-        l_run = tl.zeros([1], tl.float32)  # running sum of the weights
-        acc = tl.zeros([1, BLOCK_D], tl.float32)
-        for s0 in range(0, n_used, CHUNK):
-            sc = s0 + tl.arange(0, CHUNK)
-            ok = sc < n_used
-            lse = tl.load(lse_row + sc, mask=ok, other=float("-inf"))  # [CHUNK]
-            o = tl.load(o_row + sc[:, None] * stride_os + d[None, :], mask=ok[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-            m_new = tl.maximum(m_run, tl.max(lse, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0, not NaN
-            alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(lse - m_safe)  # [CHUNK]
-            acc = acc * alpha[:, None] + tl.sum(w[:, None] * o, 0)[None, :]
-            l_run = l_run * alpha + tl.sum(w, 0)
-            m_run = m_new
-        out = tl.sum(acc / tl.maximum(l_run, 1e-30)[:, None], 0)  # [BLOCK_D]
-    tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
-
-
 # Chosen with bench/tune_split_kv.py on an H200 (docs/PERFORMANCE.md): programs per SM that the split count aims at
 # and the shortest split, in keys; a verify's 8 x group query rows make each program heavier, so fewer of them.
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
@@ -234,21 +168,6 @@ MIN_SPLIT_LEN = 64
 # dtype of the partial outputs between the two stages (their log-sum-exps stay float32); bf16 gained nothing
 # consistent (docs/PERFORMANCE.md, tenth session)
 PARTIAL_DTYPE = torch.float32
-REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
-# 0: the merge loads every split slot (max_splits, up to 64) at once, one round trip; n > 0: only the splits the
-# request used, n at a time, merged online (one round trip per n splits). Off: not yet measured on a GPU. Why try
-# it: with half the slots (TARGET_PROGRAMS_PER_SM decode=2) the 8B step's merge took 1.7 us instead of 2.3, while
-# masking the loads of unused slots changed nothing (eleventh session): the register tile, not the bytes, seems to
-# cost (docs/PERFORMANCE.md, thirteenth session).
-MERGE_CHUNK = 0
-# PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
-# lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
-# weight chunk (kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
-# (docs/PERFORMANCE.md, twelfth session). Not measured at larger batches or for verify, hence off there. Sound
-# by kernels/pdl.py's rules: the next kernel then starts after every program of the partial kernel has started
-# (so after the kernel before the partial completed), reads before its wait nothing the partial writes, and its
-# wait returns after the merge completes, which is after the partial completes.
-MERGE_EARLY_TRIGGER = True
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
 # or a few per program), where a loop without software pipelining wins; a verify at larger batches streams K/V and
@@ -332,8 +251,6 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
-    torch._check(MERGE_CHUNK >= 0 and MERGE_CHUNK & (MERGE_CHUNK - 1) == 0,
-                 lambda: f"split-K attention: MERGE_CHUNK {MERGE_CHUNK} is not 0 or a power of two")
     pdl_launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
@@ -346,15 +263,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages,
         **pdl_launch,
     )
-    wrap_triton(_split_kv_reduce_kernel)[(n, heads)](
-        mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
-        USE_PDL=pdl, EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, CHUNK=MERGE_CHUNK,
-        num_warps=REDUCE_NUM_WARPS,
-        **pdl_launch,
-    )
+    launch_split_kv_merge(mid_o, mid_lse, out, seq_lens, q_len, programs_per_split, max_splits, target_programs,
+                          min_split_len, pdl)
     return out
 
 

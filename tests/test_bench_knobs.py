@@ -12,22 +12,22 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 import kernels.gemv as gemv  # noqa: E402
-import kernels.split_kv_attention as sk  # noqa: E402
+import kernels.split_kv_merge as merge  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 
 def test_set_overrides_constants_and_dict_entries(monkeypatch):
-    monkeypatch.setattr(sk, "MERGE_CHUNK", sk.MERGE_CHUNK)
+    monkeypatch.setattr(merge, "MERGE_CHUNK", merge.MERGE_CHUNK)
     monkeypatch.setitem(gemv.PDL_PREFETCH_K, "square", gemv.PDL_PREFETCH_K["square"])
     ap = argparse.ArgumentParser()
     add_set_option(ap)
-    args = ap.parse_args(["--set", "kernels.split_kv_attention.MERGE_CHUNK=16",
+    args = ap.parse_args(["--set", "kernels.split_kv_merge.MERGE_CHUNK=16",
                           "kernels.gemv.PDL_PREFETCH_K.square=2048"])
     apply_sets(ap, args.set)
-    assert sk.MERGE_CHUNK == 16 and gemv.PDL_PREFETCH_K["square"] == 2048
+    assert merge.MERGE_CHUNK == 16 and gemv.PDL_PREFETCH_K["square"] == 2048
 
 
-@pytest.mark.parametrize("item", ["kernels.split_kv_attention.MERGE_CHUNKS=16", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
+@pytest.mark.parametrize("item", ["kernels.split_kv_merge.MERGE_CHUNKS=16", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
                                   "kernels.nowhere.X=1", "kernels.gemv.PDL_PREFETCH_K=1024"])
 def test_set_refuses_what_does_not_exist(item):
     ap = argparse.ArgumentParser()

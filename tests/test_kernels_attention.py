@@ -234,7 +234,7 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
     zeros."""
     import triton
 
-    from kernels.split_kv_attention import _split_kv_reduce_kernel
+    from kernels.split_kv_merge import split_kv_merge_kernel
 
     gen = torch.Generator().manual_seed(4)
     q_len, heads, dim, max_splits = 2, 3, 16, 8
@@ -253,7 +253,7 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
     expected = (w[..., None] * mid_o.nan_to_num(0.0)).sum(2).nan_to_num(0.0)  # [n, heads, dim]; empty row: 0
     mid_o, mid_lse, seq = mid_o.to(device), mid_lse.to(device), seq_lens.to(device)
     out = torch.empty(n, heads, dim, device=device)
-    _split_kv_reduce_kernel[(n, heads)](
+    split_kv_merge_kernel[(n, heads)](
         mid_o, mid_lse, out, seq, 1, max_splits, max_splits, 16,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
@@ -274,9 +274,9 @@ def test_merge_ignores_stale_partials_interpreted(chunk):
 def test_chunked_merge_matches_reference(monkeypatch, q_len, mask_width):
     """MERGE_CHUNK (the merge reads the used splits a few at a time): decode and verify still equal the reference,
     over requests of one split to several chunks of them."""
-    import kernels.split_kv_attention as sk
+    import kernels.split_kv_merge as merge
 
-    monkeypatch.setattr(sk, "MERGE_CHUNK", 2)  # 16-key splits: 1, 2, 4 and 8 of them, in 1, 1, 2 and 4 chunks
+    monkeypatch.setattr(merge, "MERGE_CHUNK", 2)  # 16-key splits: 1, 2, 4 and 8 of them, in 1, 1, 2 and 4 chunks
     check_split_kv(4, 2, 16, 16, [5, 17, 64, 250], q_len, mask_width, MANY_SPLITS, seed=5)
 
 

@@ -15,7 +15,7 @@ from framework.config import ConfigError
 from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
 from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, launch_class,
-                          pdl_prefetch_k, pdl_preload)
+                          pdl_options)
 from kernels.mask_bits import pack_mask_bits
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
@@ -60,8 +60,9 @@ def test_preload_classes() -> None:
               "lm_head": (128256, 4096)}
     assert {name: launch_class(1, n, k) for name, (n, k) in shapes.items()} == {
         "qkv": "wide", "o": "square", "gate_up": "very_wide", "down": "tall", "lm_head": "vocab"}
-    assert [name for name, (n, k) in shapes.items() if pdl_preload(1, n, k)] == ["qkv", "o", "down"]
-    assert not any(pdl_preload(rows, n, k) for rows in (2, 16) for n, k in shapes.values())
+    assert [name for name, (n, k) in shapes.items() if pdl_options(1, n, k, 2)[1]] == ["qkv", "o", "down"]
+    assert not any(pdl_options(rows, n, k, 2)[1] for rows in (2, 16) for n, k in shapes.values())
+    assert not any(pdl_options(1, n, k, 2, pdl=False)[1] for n, k in shapes.values())
 
 
 def test_prefetch_windows() -> None:
@@ -71,9 +72,9 @@ def test_prefetch_windows() -> None:
     assert set(PDL_PREFETCH_K) == set(CUDA_LAUNCH)
     assert all(v in PREFETCH_CHOICES for v in PDL_PREFETCH_K.values())
     assert PDL_PREFETCH_K["very_wide"] == 1024 and PDL_PREFETCH_K["square"] == PDL_PREFETCH_K["wide"] == 512
-    assert pdl_prefetch_k(1, 4096, 4096, 2) == PDL_PREFETCH_K["square"]
-    assert pdl_prefetch_k(4, 28672, 4096, 2) == PDL_PREFETCH_K["rows"]
-    assert pdl_prefetch_k(1, 4096, 4096, 4) == 0
+    assert pdl_options(1, 4096, 4096, 2)[0] == PDL_PREFETCH_K["square"]
+    assert pdl_options(4, 28672, 4096, 2)[0] == PDL_PREFETCH_K["rows"]
+    assert pdl_options(1, 4096, 4096, 4)[0] == 0 and pdl_options(1, 4096, 4096, 2, pdl=False)[0] == 0
 
 
 @pytest.mark.gpu
@@ -136,7 +137,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
                               (hidden, inter))] for _ in range(layers)]
     norms = [(torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16) for _ in range(2)]
     if len(lens) == 1:  # qkv, o and down take preloading one-row launches; gate_up does not
-        assert [pdl_preload(1, *w.shape) for w in weights[0]] == [True, True, False, True]
+        assert [pdl_options(1, *w.shape, 2)[1] for w in weights[0]] == [True, True, False, True]
     for t in [*norms, *(w for ws in weights for w in ws)]:
         torch._dynamo.mark_static_address(t)  # as the engine's parameters: not copied on every replay
     _, cos, sin, *_ = rope_args(2, heads, kv_heads, dim, "cuda", torch.bfloat16, seed=13)
