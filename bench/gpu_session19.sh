@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e|f|g|h
+# GPU leases of 2026-12-01 (thirteenth session), H200. Usage: bash bench/gpu_session19.sh a|b|c|d|e
 # Results: docs/PERFORMANCE.md, "Thirteenth session".
 #   a: the GPU tests of the PDL path that the twelfth session did not run (its lease script's h), and the gemv tests
 #   b: the L2 prefetch window before a PDL gemv's wait, per launch class (kernels.gemv.PDL_PREFETCH_K, 512 in every
@@ -7,7 +7,11 @@
 #      its floor at each setting, the defaults first and last
 #   c: b's best (gate_up's window 1024, the default since) against the defaults before, alternating
 #   (b and c ran before gate_up's 1024 became the default, 90574bb: they set the 512 of the time first)
-#   d-h: below (f, g and h have not run)
+#   d, e: below
+#   f (ran in the fourteenth session at 142c8c8; its knob was removed after it, with the case): the merge reading
+#      only the used splits, 16 at a time (kernels.split_kv_merge.MERGE_CHUNK=16, off then), its GPU tests and the
+#      8B step against the defaults, alternating, then with TARGET_PROGRAMS_PER_SM.decode=2 too: slower
+#      (docs/PERFORMANCE.md, fourteenth session)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -39,22 +43,4 @@ case "${1:-a}" in
      for alt in "" "(16,512,4,3)" "(16,256,4,3)" "(8,1024,4,4)" "(8,1024,8,3)" "(32,256,4,3)" ""; do
        profile_8b profile_8b_e.log 70 --floor ${alt:+--set kernels.gemv.CUDA_LAUNCH.very_wide=$alt}
      done ;;
-  f) # (not run yet: for the next session) the merge reading only the used splits, a few at a time
-     # (kernels.split_kv_merge.MERGE_CHUNK, off by default): its GPU tests, then the 8B step against the
-     # defaults, alternating
-     mc=kernels.split_kv_merge.MERGE_CHUNK
-     gpu_tests gpu_merge_chunk.log 60 tests/test_kernels_attention.py -k stale
-     timeout 200 python3 -c "import kernels.split_kv_merge as s, pytest, sys; s.MERGE_CHUNK = 16; \
-       sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_kernels_pdl.py', \
-       'tests/test_kernels_attention.py', '-k', 'ops_equal or chain or decode_on_cuda or verify_on_cuda']))" \
-       > "$OUT/gpu_merge_chunk16.log" 2>&1
-     tail -3 "$OUT/gpu_merge_chunk16.log"
-     for sets in "" "$mc=16" "" "$mc=16"; do
-       profile_8b profile_8b_f.log 70 --floor ${sets:+--set $sets}
-     done ;;
-  g|h) # (not run yet) the attention table (decode and verify at every shape) without (g) and with (h) MERGE_CHUNK=16
-     chunk=0; [ "$1" = h ] && chunk=16
-     timeout 400 python3 bench/bench_attention.py --set kernels.split_kv_merge.MERGE_CHUNK=$chunk 2>&1 \
-       | grep -v -i warn > "$OUT/bench_attention_chunk$chunk.log"
-     tail -14 "$OUT/bench_attention_chunk$chunk.log" ;;
 esac

@@ -29,17 +29,18 @@ def split_kv_merge_kernel(
     programs_per_split, max_splits, target_programs, min_split_len,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
     Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, CHUNK: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
-    # grid: (num_tokens, heads). CHUNK = 0: every split slot at once (BLOCK_S of them); otherwise only the splits
-    # the request used, CHUNK at a time, merged online (MERGE_CHUNK)
+    # grid: (num_tokens, heads)
     token = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # CHUNK = 0: every split's slot is loaded at once with the request's length (one memory round trip, not two);
-    # the slots of splits this request did not use hold stale values and are dropped by the where's below
+    # every split's slot is loaded at once with the request's length (one memory round trip, not two);
+    # the slots of splits this request did not use hold stale values and are dropped by the where's below (reading
+    # only the used splits, a few at a time and merged online, took 3.8 us in the 8B step instead of 2.3:
+    # docs/PERFORMANCE.md, fourteenth session)
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
     n_used = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
@@ -51,45 +52,20 @@ def split_kv_merge_kernel(
             gdc_launch_dependents()
     lse_row = Mid_lse + token * stride_lt + head * stride_lh
     o_row = Mid_o + token * stride_ot + head * stride_oh
-    if CHUNK == 0:
-        lse = tl.load(lse_row + s, mask=in_buf, other=float("-inf"))
-        o = tl.load(o_row + s[:, None] * stride_os + d[None, :], mask=in_buf[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        s_ok = s < n_used
-        lse = tl.where(s_ok, lse, float("-inf"))
-        o = tl.where(s_ok[:, None], o, 0.0)
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # [BLOCK_S]
-        out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    else:  # the used splits only (the slots past them are never read), CHUNK at a time, merged online
-        m_run = tl.full([1], float("-inf"), tl.float32)  # [1]: running max of the log-sum-exps
-        l_run = tl.zeros([1], tl.float32)  # running sum of the weights
-        acc = tl.zeros([1, BLOCK_D], tl.float32)
-        for s0 in range(0, n_used, CHUNK):
-            sc = s0 + tl.arange(0, CHUNK)
-            ok = sc < n_used
-            lse = tl.load(lse_row + sc, mask=ok, other=float("-inf"))  # [CHUNK]
-            o = tl.load(o_row + sc[:, None] * stride_os + d[None, :], mask=ok[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-            m_new = tl.maximum(m_run, tl.max(lse, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0, not NaN
-            alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(lse - m_safe)  # [CHUNK]
-            acc = acc * alpha[:, None] + tl.sum(w[:, None] * o, 0)[None, :]
-            l_run = l_run * alpha + tl.sum(w, 0)
-            m_run = m_new
-        out = tl.sum(acc / tl.maximum(l_run, 1e-30)[:, None], 0)  # [BLOCK_D]
+    lse = tl.load(lse_row + s, mask=in_buf, other=float("-inf"))
+    o = tl.load(o_row + s[:, None] * stride_os + d[None, :], mask=in_buf[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
+    s_ok = s < n_used
+    lse = tl.where(s_ok, lse, float("-inf"))
+    o = tl.where(s_ok[:, None], o, 0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
-# 0: the merge loads every split slot (max_splits, up to 64) at once, one round trip; n > 0: only the splits the
-# request used, n at a time, merged online (one round trip per n splits). Off: not yet measured on a GPU. Why try
-# it: with half the slots (TARGET_PROGRAMS_PER_SM decode=2) the 8B step's merge took 1.7 us instead of 2.3, while
-# masking the loads of unused slots changed nothing (eleventh session): the register tile, not the bytes, seems to
-# cost (docs/PERFORMANCE.md, thirteenth session).
-MERGE_CHUNK = 0
 # PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
 # lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
 # weight chunk (kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
@@ -107,14 +83,12 @@ def launch_split_kv_merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch
     into ``out`` ``[n, heads, dim]`` (inside a triton_op body: the kernel goes through ``wrap_triton``); the split
     policy arguments are stage 1's. ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
     n, heads, dim = out.shape
-    torch._check(MERGE_CHUNK >= 0 and MERGE_CHUNK & (MERGE_CHUNK - 1) == 0,
-                 lambda: f"split-K merge: MERGE_CHUNK {MERGE_CHUNK} is not 0 or a power of two")
     wrap_triton(split_kv_merge_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_S=max(2, triton.next_power_of_2(max_splits)), USE_PDL=pdl,
-        EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, CHUNK=MERGE_CHUNK, num_warps=REDUCE_NUM_WARPS,
+        EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, num_warps=REDUCE_NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )

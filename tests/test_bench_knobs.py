@@ -17,17 +17,17 @@ from knobs import add_set_option, apply_sets  # noqa: E402
 
 
 def test_set_overrides_constants_and_dict_entries(monkeypatch):
-    monkeypatch.setattr(merge, "MERGE_CHUNK", merge.MERGE_CHUNK)
+    monkeypatch.setattr(merge, "REDUCE_NUM_WARPS", merge.REDUCE_NUM_WARPS)
     monkeypatch.setitem(gemv.PDL_PREFETCH_K, "square", gemv.PDL_PREFETCH_K["square"])
     ap = argparse.ArgumentParser()
     add_set_option(ap)
-    args = ap.parse_args(["--set", "kernels.split_kv_merge.MERGE_CHUNK=16",
+    args = ap.parse_args(["--set", "kernels.split_kv_merge.REDUCE_NUM_WARPS=4",
                           "kernels.gemv.PDL_PREFETCH_K.square=2048"])
     apply_sets(ap, args.set)
-    assert merge.MERGE_CHUNK == 16 and gemv.PDL_PREFETCH_K["square"] == 2048
+    assert merge.REDUCE_NUM_WARPS == 4 and gemv.PDL_PREFETCH_K["square"] == 2048
 
 
-@pytest.mark.parametrize("item", ["kernels.split_kv_merge.MERGE_CHUNKS=16", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
+@pytest.mark.parametrize("item", ["kernels.split_kv_merge.REDUCE_NUM_WARP=4", "kernels.gemv.PDL_PREFETCH_K.sqare=1",
                                   "kernels.nowhere.X=1", "kernels.gemv.PDL_PREFETCH_K=1024"])
 def test_set_refuses_what_does_not_exist(item):
     ap = argparse.ArgumentParser()

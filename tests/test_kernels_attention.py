@@ -224,13 +224,11 @@ def test_split_count_does_not_change_the_result():
     torch.testing.assert_close(results[0], results[2], rtol=1e-5, atol=1e-5)
 
 
-def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False,
-                                       chunk: int = 0) -> None:
+def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False) -> None:
     """The merge kernel (``use_pdl``: its PDL variant, ``early_trigger``: letting the next kernel launch before its
-    wait) reads every split's slot of the partial buffers, or with ``chunk`` > 0 only the slots of the splits each
-    request used, ``chunk`` at a time. The slots of splits a request did not use (here NaN outputs with a large
-    log-sum-exp, as stale memory may hold) must not reach the output; an empty split that was used (lse -inf,
-    output 0) weighs nothing, also when a whole chunk of them comes first; a row whose splits are all empty gives
+    wait) reads every split's slot of the partial buffers. The slots of splits a request did not use (here NaN
+    outputs with a large log-sum-exp, as stale memory may hold) must not reach the output; an empty split that was
+    used (lse -inf, output 0) weighs nothing, also when the first ones are; a row whose splits are all empty gives
     zeros."""
     import triton
 
@@ -247,7 +245,7 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
     mid_lse = mid_lse.masked_fill(stale, 100.0)
     mid_o = mid_o.masked_fill(stale[..., None], float("nan"))
     mid_lse[2:4, :, 1], mid_o[2:4, :, 1] = float("-inf"), 0.0  # an empty split of the second request
-    mid_lse[4:6, :, :2], mid_o[4:6, :, :2] = float("-inf"), 0.0  # the third's first two: an empty first chunk of 2
+    mid_lse[4:6, :, :2], mid_o[4:6, :, :2] = float("-inf"), 0.0  # the third's first two splits: empty
     mid_lse[5, 1], mid_o[5, 1] = float("-inf"), 0.0  # a row with every split empty
     w = torch.softmax(mid_lse.masked_fill(stale, float("-inf")) * torch.log(torch.tensor(2.0)), -1)  # base 2
     expected = (w[..., None] * mid_o.nan_to_num(0.0)).sum(2).nan_to_num(0.0)  # [n, heads, dim]; empty row: 0
@@ -258,37 +256,24 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
         BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
-        USE_PDL=use_pdl, EARLY_TRIGGER=early_trigger, CHUNK=chunk,
+        USE_PDL=use_pdl, EARLY_TRIGGER=early_trigger,
         num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @interpreted
-@pytest.mark.parametrize("chunk", [0, 2, 16])  # one block; 1-4 chunks of 2 (the last partly masked); one of 16
-def test_merge_ignores_stale_partials_interpreted(chunk):
-    check_merge_ignores_stale_partials("cpu", chunk=chunk)
-
-
-@interpreted
-@pytest.mark.parametrize("q_len,mask_width", [(1, None), (4, 4)])
-def test_chunked_merge_matches_reference(monkeypatch, q_len, mask_width):
-    """MERGE_CHUNK (the merge reads the used splits a few at a time): decode and verify still equal the reference,
-    over requests of one split to several chunks of them."""
-    import kernels.split_kv_merge as merge
-
-    monkeypatch.setattr(merge, "MERGE_CHUNK", 2)  # 16-key splits: 1, 2, 4 and 8 of them, in 1, 1, 2 and 4 chunks
-    check_split_kv(4, 2, 16, 16, [5, 17, 64, 250], q_len, mask_width, MANY_SPLITS, seed=5)
+def test_merge_ignores_stale_partials_interpreted():
+    check_merge_ignores_stale_partials("cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_pdl,early_trigger,chunk", [(False, False, 0), (True, False, 0), (True, True, 0),
-                                                          (False, False, 4), (True, True, 16)])
-def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger, chunk):
+@pytest.mark.parametrize("use_pdl,early_trigger", [(False, False), (True, False), (True, True)])
+def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger):
     from kernels.pdl import HAS_GDC
 
     if use_pdl and not HAS_GDC:
         pytest.skip("this Triton has no grid dependency control")
-    check_merge_ignores_stale_partials("cuda", use_pdl, early_trigger, chunk)
+    check_merge_ignores_stale_partials("cuda", use_pdl, early_trigger)
 
 
 def test_compiled_cpu_code_runs_the_references():
