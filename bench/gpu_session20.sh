@@ -6,6 +6,10 @@
 #      tests, then the 8B step with and without it, alternating: slower, not on main
 #   c: main after MERGE_CHUNK's removal: the GPU tests of the merge, decode / verify and the PDL ops and chain, then
 #      the 8B step at the defaults, three runs
+#   d (ran on a working tree of 50cdf36 whose knob was not kept, so the case left too): the partial kernel's
+#      programs of unused split slots returning before the wait (kernels.split_kv_attention.EXIT_UNUSED_SPLITS,
+#      an `if split >= n_splits: return`); the attention GPU tests, then the 8B step with and without it,
+#      alternating: no faster
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-c}" in
