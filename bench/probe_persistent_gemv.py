@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
 from tune_gemv import chain_weights, gemv_chain, graph_ms  # noqa: E402
-from kernels.gemv import launch_gemv, launch_params  # noqa: E402
+from kernels.gemv import launch_gemv, launch_params, pdl_options  # noqa: E402
 from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2  # noqa: E402
 
 
@@ -113,9 +113,11 @@ KERNEL_INFO: dict[tuple, str] = {}
 
 
 def launch_persistent(x, w, residual, norm_weight, eps, silu_mul, launch=None, per_sm=2, pdl=True,
-                      prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K in all but very_wide (1024)
-    """One row: ``launch_gemv``'s contract (late RMSNorm), persistent grid of ``per_sm`` programs per SM."""
+                      prefetch_k=None):
+    """One row: ``launch_gemv``'s contract (late RMSNorm), persistent grid of ``per_sm`` programs per SM;
+    ``prefetch_k`` None: the model's window for the shape (kernels/gemv.py PDL_PREFETCH_K)."""
     n, k = w.shape
+    prefetch_k = pdl_options(1, n, k, w.element_size())[0] if prefetch_k is None else prefetch_k
     block_n, block_k, warps, stages = launch or launch_params(1, n, k)
     assert x.shape[0] == 1 and k % block_k == 0
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)

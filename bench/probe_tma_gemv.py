@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import copy_bandwidth  # noqa: E402
 from tune_gemv import FUSION, LINEARS, SHAPES, chain_weights, gemv_chain, graph_ms  # noqa: E402
 from probe_persistent_gemv import pdl_start, store_rows, x_chunk  # noqa: E402
-from kernels.gemv import launch_gemv, launch_params  # noqa: E402
+from kernels.gemv import launch_gemv, launch_params, pdl_options  # noqa: E402
 
 
 @triton.jit
@@ -63,9 +63,11 @@ DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
 
 
 def launch_tma(x, w, residual, norm_weight, eps, silu_mul, launch=(16, 256, 4, 4), pdl=True,
-               prefetch_k=512):  # kernels/gemv.py PDL_PREFETCH_K in all but very_wide (1024)
-    """One row, ``launch_gemv``'s contract (late RMSNorm); launch = (BLOCK_N, BLOCK_K, warps, stages)."""
+               prefetch_k=None):
+    """One row, ``launch_gemv``'s contract (late RMSNorm); launch = (BLOCK_N, BLOCK_K, warps, stages);
+    ``prefetch_k`` None: the model's window for the shape (kernels/gemv.py PDL_PREFETCH_K)."""
     n, k = w.shape
+    prefetch_k = pdl_options(1, n, k, w.element_size())[0] if prefetch_k is None else prefetch_k
     block_n, block_k, warps, stages = launch
     key = (w.data_ptr(), block_n, block_k)
     if key not in DESCRIPTORS:  # built once per weight (the chain's graph capture reuses it)
