@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (fifteenth session), H200. Usage: bash bench/gpu_session21.sh a
+# Results: docs/PERFORMANCE.md, "Fifteenth session".
+#   a: the split-K partial kernel's EARLY_LOADS (kernels/split_kv_attention.py: the slots of each tile loaded a
+#      tile ahead, the first before the PDL wait; V's loads issued before K's; after the wait, q and the first K / V
+#      tile pulled into L1 at once): the attention and PDL GPU tests, then the 8B step with and without it,
+#      alternating
+#   b: the issue's attention table (bench/bench_attention.py) with EARLY_LOADS, then its sensitive rows without
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
+
+case "${1:-a}" in
+  a) gpu_tests gpu_a.log 200 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+       -k "ops_equal or chain or stale or decode_on_cuda or verify_on_cuda"
+     for run in 1 2 3; do
+       profile_8b profile_8b_a.log 60 --floor
+       profile_8b profile_8b_a.log 60 --floor --set kernels.split_kv_attention.EARLY_LOADS=False
+     done ;;
+  b) timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
+     timeout 200 python3 bench/bench_attention.py --configs 1x4096 32x4096 --page-sizes 16 \
+       --set kernels.split_kv_attention.EARLY_LOADS=False 2>&1 | tee "$OUT/bench_attention_off.log" \
+       | grep -v "^page" ;;
+esac
