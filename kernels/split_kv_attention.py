@@ -133,7 +133,7 @@ def _split_kv_partial_kernel(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, PREFETCH_L1: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -159,7 +159,7 @@ def _split_kv_partial_kernel(
         prefetch_l2(V_cache + old[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
-        if EARLY_LOADS:  # q (just written) and the first tile of K / V (the new key's too) in one round trip
+        if EARLY_LOADS and PREFETCH_L1:  # q (just written) and the first K / V tile (the new key too) at once
             prefetch_l1(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + lines[None, :])
             prefetch_l1(K_cache + first[:, None] * stride_ks + kv_head * stride_kh + lines[None, :])
             prefetch_l1(V_cache + first[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
@@ -206,8 +206,15 @@ SMALL_BATCH = 8
 CUDA_LAUNCH = {"decode": (64, 4, 1), "multi": (128, 4, 2), "decode_small": (64, 4, 1), "multi_small": (128, 4, 1)}
 INTERPRET_LAUNCH = (32, 4, 1)
 # Launches without software pipelining (num_stages 1) issue each tile's K and V loads together, with the slots
-# loaded a tile ahead (the first before the PDL wait): _attend_range's EARLY_LOADS.
+# loaded a tile ahead (the first before the PDL wait): _attend_range's EARLY_LOADS. PREFETCH_L1: a PDL launch also
+# pulls q and the first K / V tile into L1 right after its wait. PDL_MAXNREG: the register cap of a PDL decode
+# launch (ptxas's maxnreg; None: no cap): at 1k context the batch-1 grid is 8 KV heads x 64 split slots = 512
+# programs, which are all resident at once only at <= 128 registers (4 programs of 4 warps per SM); at 136
+# (EARLY_LOADS with PREFETCH_L1, Triton 3.9) the unused slots' programs took a second wave and the partial kernel
+# ended 1.9 us later (docs/PERFORMANCE.md, fifteenth session).
 EARLY_LOADS = True
+PREFETCH_L1 = False
+PDL_MAXNREG = 128
 
 
 def _launch_config(q: torch.Tensor, q_len: int, bs: int) -> tuple[int, int, int]:
@@ -281,7 +288,10 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
+    # PDL launches are direct (kernels/pdl.py), where Triton takes its options as keywords; inductor does not
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    if pdl and q_len == 1 and PDL_MAXNREG is not None:
+        pdl_launch["maxnreg"] = PDL_MAXNREG
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
@@ -291,8 +301,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
         USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), EARLY_LOADS=EARLY_LOADS and num_stages == 1,
-        num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch,
+        PREFETCH_L1=PREFETCH_L1, num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     launch_split_kv_merge(mid_o, mid_lse, out, seq_lens, q_len, programs_per_split, max_splits, target_programs,
                           min_split_len, pdl)
