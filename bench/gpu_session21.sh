@@ -8,7 +8,10 @@
 #   c: the partial kernel's registers as Triton 3.6 compiles it (bench/probe_partial_regs.py), with and without
 #      PDL_MAXNREG / PREFETCH_L1; GPU tests at the new defaults (EARLY_LOADS, PREFETCH_L1 off, PDL_MAXNREG 128);
 #      then the 8B step with them and with EARLY_LOADS off, alternating, and once with PREFETCH_L1 too
-#   b: the issue's attention table (bench/bench_attention.py) with EARLY_LOADS, then its sensitive rows without
+#   d: the merge's smaller tile for short requests (kernels/split_kv_merge.py MERGE_SMALL_SLOTS, 16; EARLY_LOADS
+#      and PREFETCH_L1 were reverted after a and c): the merge / decode / verify / PDL GPU tests, then the 8B step
+#      with and without it, alternating
+#   b: the issue's attention table (bench/bench_attention.py) at the defaults
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -29,8 +32,12 @@ case "${1:-a}" in
        profile_8b profile_8b_c.log 60 --floor --set $K.EARLY_LOADS=False
      done
      profile_8b profile_8b_c.log 60 --floor --set $K.PREFETCH_L1=True ;;
+  d) gpu_tests gpu_d.log 200 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+       -k "ops_equal or chain or stale or decode_on_cuda or verify_on_cuda"
+     for run in 1 2 3; do
+       profile_8b profile_8b_d.log 60 --floor
+       profile_8b profile_8b_d.log 60 --floor --set kernels.split_kv_merge.MERGE_SMALL_SLOTS=0
+     done ;;
   b) timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
-     timeout 200 python3 bench/bench_attention.py --configs 1x4096 32x4096 --page-sizes 16 \
-       --set kernels.split_kv_attention.EARLY_LOADS=False 2>&1 | tee "$OUT/bench_attention_off.log" \
-       | grep -v "^page" ;;
+ ;;
 esac

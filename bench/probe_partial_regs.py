@@ -2,7 +2,7 @@
 Llama-3-8B attention shape, PDL and plain) per ``--set`` configuration given, then every compiled variant's
 ``n_regs`` / ``n_spills`` and how many programs of its warps fit an SM's 64K registers.
 
-    python bench/probe_partial_regs.py --set kernels.split_kv_attention.PDL_MAXNREG=None
+    python bench/probe_partial_regs.py --set "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(64,8,1)"
 """
 
 from __future__ import annotations

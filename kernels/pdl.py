@@ -53,20 +53,10 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
-@triton.jit
-def prefetch_l1(ptrs):
-    """Pull the 128-byte lines at ``ptrs`` into the SM's L1 without waiting: issued right after ``gdc_wait`` for
-    every line a program is about to load, so that the loads' round trips overlap where the code would take them
-    one after another (each tile's conversion for ``tl.dot`` waits for its load before the next load is issued).
-    CUDA only (inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 def pdl_supported(device: torch.device) -> bool:
     """True when kernels on ``device`` can be launched with PDL: a CUDA GPU of compute capability 9.0 or later and
     a Triton with grid dependency control, kernels not interpreted."""
     return HAS_GDC and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported", "prefetch_l1", "prefetch_l2"]
+__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait", "pdl_supported", "prefetch_l2"]

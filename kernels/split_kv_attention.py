@@ -26,7 +26,7 @@ from torch.library import wrap_triton
 
 from kernels.mask_bits import MASK_WORD_BITS
 from kernels.online_softmax import dot, online_softmax_step
-from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l1, prefetch_l2
+from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 from kernels.split_kv_merge import launch_split_kv_merge, num_kv_splits
 
 LOG2E = 1.4426950408889634
@@ -68,21 +68,16 @@ def _visibility(seq_len, start, end, t, mask_width, Q_LEN: tl.constexpr, HAS_MAS
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, slot_lo, kv_k, kv_v, mask_row,
+def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_row, kv_k, kv_v, mask_row,
                   t, row_ok, region, last_key, d, d_ok, stride_ks, stride_vs, stride_mt,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, CHECK: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, EARLY_LOADS: tl.constexpr):
+                  IEEE_DOT: tl.constexpr):
     """Fold keys ``[lo, hi)`` into the running state. ``CHECK``: apply the causal rule or the custom mask (the few
     tiles near the end of a request); otherwise every key in range is visible to every row (the bulk of them).
     ``MASK_BITS``: the mask is one int64 word per row (bit ``i``: key ``region + i``), loaded once; otherwise a
-    byte per (row, key), gathered per tile. ``EARLY_LOADS`` (loops without software pipelining): ``slot_lo`` holds
-    the slots of the tile at ``lo`` (:func:`_first_slots`, loaded by the caller, before its PDL wait), each tile
-    loads the next one's slots, and V is loaded with K, before the scores: one memory round trip per tile where
-    the slot, K and V loads took three."""
+    byte per (row, key), gathered per tile."""
     if CHECK and MASK_BITS:
         word = tl.load(mask_row + t * stride_mt, mask=row_ok, other=0)  # [BLOCK_M] int64
-    if EARLY_LOADS:
-        slot = slot_lo
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
@@ -93,14 +88,9 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
             else:
                 tree = tl.load(mask_row + t[:, None] * stride_mt + rel,
                                mask=row_ok[:, None] & (rel >= 0) & j_ok[None, :], other=0)
-        if not EARLY_LOADS:
-            slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
+        slot = tl.load(slot_row + j, mask=j_ok, other=0)  # [BLOCK_N] int64
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        if EARLY_LOADS:  # V first: K's conversion for the dot waits for K alone, V's loads already in flight
-            v = tl.load(V_cache + slot[:, None] * stride_vs + kv_v + d[None, :], mask=kv_ok, other=0.0)
         k = tl.load(K_cache + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kv_ok, other=0.0)
-        if EARLY_LOADS:
-            slot = tl.load(slot_row + j + BLOCK_N, mask=j + BLOCK_N < hi, other=0)  # the next tile's
         # NOTE: .to(float32) keeps the loop state fp32 whatever the scalar's type
         s = (dot(q, tl.trans(k), IEEE_DOT) * scale_log2e).to(tl.float32)  # [BLOCK_M, BLOCK_N], base-2 units
         if CHECK:
@@ -111,17 +101,9 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
             s = tl.where(allowed, s, float("-inf"))
         else:
             s = tl.where(j_ok[None, :], s, float("-inf"))
-        if not EARLY_LOADS:
-            v = tl.load(V_cache + slot[:, None] * stride_vs + kv_v + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(V_cache + slot[:, None] * stride_vs + kv_v + d[None, :], mask=kv_ok, other=0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
     return acc, l_i, m_i
-
-
-@triton.jit
-def _first_slots(slot_row, lo, hi, BLOCK_N: tl.constexpr):
-    """The KV pool slots of keys ``[lo, lo + BLOCK_N)`` below ``hi`` (0 past it): the first tile of a range."""
-    j = lo + tl.arange(0, BLOCK_N)
-    return tl.load(slot_row + j, mask=j < hi, other=0)  # [BLOCK_N] int64
 
 
 @triton.jit
@@ -133,7 +115,6 @@ def _split_kv_partial_kernel(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, PREFETCH_L1: tl.constexpr,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -144,40 +125,32 @@ def _split_kv_partial_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
-    last_key, region, mid = _visibility(seq_len, start, end, t, mask_width, Q_LEN, HAS_MASK, BLOCK_N)
-    # the first tile's slots of both ranges (req_to_token is written before the step: readable before the wait)
-    slots_bulk = _first_slots(slot_row, start, mid, BLOCK_N)  # [BLOCK_N] int64
-    slots_tail = _first_slots(slot_row, mid, end, BLOCK_N)
     if USE_PDL:  # launched early (kernels/pdl.py): q and the new keys come from the kernel before
         # meanwhile, pull the split's first tile of older keys (written by earlier steps) into L2, one pointer per
         # LINE elements of each K / V row
         j = start + tl.arange(0, BLOCK_N)
-        first = tl.where(mid > start, slots_bulk, slots_tail)  # the split's first tile (mid is start + whole tiles)
-        old = tl.where(j < tl.minimum(end, seq_len - Q_LEN), first, 0)
+        old = tl.where(j < tl.minimum(end, seq_len - Q_LEN), tl.load(slot_row + j, mask=j < end, other=0), 0)
         lines = tl.minimum(tl.arange(0, BLOCK_D // LINE) * LINE, HEAD_DIM - 1)  # within the head's row
         prefetch_l2(K_cache + old[:, None] * stride_ks + kv_head * stride_kh + lines[None, :])
         prefetch_l2(V_cache + old[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
-        if EARLY_LOADS and PREFETCH_L1:  # q (just written) and the first K / V tile (the new key too) at once
-            prefetch_l1(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + lines[None, :])
-            prefetch_l1(K_cache + first[:, None] * stride_ks + kv_head * stride_kh + lines[None, :])
-            prefetch_l1(V_cache + first[:, None] * stride_vs + kv_head * stride_vh + lines[None, :])
     q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(K_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
     mask_row = Mask + b * stride_mb
+    last_key, region, mid = _visibility(seq_len, start, end, t, mask_width, Q_LEN, HAS_MASK, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, start, mid, K_cache, V_cache, slot_row,
-                                  slots_bulk, kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
-                                  False, IEEE_DOT, EARLY_LOADS)
+                                  False, IEEE_DOT)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, scale_log2e, mid, end, K_cache, V_cache, slot_row,
-                                  slots_tail, kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
+                                  kv_head * stride_kh, kv_head * stride_vh, mask_row, t, row_ok, region,
                                   last_key, d, d_ok, stride_ks, stride_vs, stride_mt, BLOCK_N, HAS_MASK, MASK_BITS,
-                                  True, IEEE_DOT, EARLY_LOADS)
+                                  True, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
@@ -205,16 +178,6 @@ PARTIAL_DTYPE = torch.float32
 SMALL_BATCH = 8
 CUDA_LAUNCH = {"decode": (64, 4, 1), "multi": (128, 4, 2), "decode_small": (64, 4, 1), "multi_small": (128, 4, 1)}
 INTERPRET_LAUNCH = (32, 4, 1)
-# Launches without software pipelining (num_stages 1) issue each tile's K and V loads together, with the slots
-# loaded a tile ahead (the first before the PDL wait): _attend_range's EARLY_LOADS. PREFETCH_L1: a PDL launch also
-# pulls q and the first K / V tile into L1 right after its wait. PDL_MAXNREG: the register cap of a PDL decode
-# launch (ptxas's maxnreg; None: no cap): at 1k context the batch-1 grid is 8 KV heads x 64 split slots = 512
-# programs, which are all resident at once only at <= 128 registers (4 programs of 4 warps per SM); at 136
-# (EARLY_LOADS with PREFETCH_L1, Triton 3.9) the unused slots' programs took a second wave and the partial kernel
-# ended 1.9 us later (docs/PERFORMANCE.md, fifteenth session).
-EARLY_LOADS = True
-PREFETCH_L1 = False
-PDL_MAXNREG = 128
 
 
 def _launch_config(q: torch.Tensor, q_len: int, bs: int) -> tuple[int, int, int]:
@@ -288,10 +251,7 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = custom_mask if u8 else custom_mask.to(torch.uint8).contiguous()
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
-    # PDL launches are direct (kernels/pdl.py), where Triton takes its options as keywords; inductor does not
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    if pdl and q_len == 1 and PDL_MAXNREG is not None:
-        pdl_launch["maxnreg"] = PDL_MAXNREG
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
@@ -300,8 +260,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
-        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), EARLY_LOADS=EARLY_LOADS and num_stages == 1,
-        PREFETCH_L1=PREFETCH_L1, num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch,
     )
     launch_split_kv_merge(mid_o, mid_lse, out, seq_lens, q_len, programs_per_split, max_splits, target_programs,
                           min_split_len, pdl)
