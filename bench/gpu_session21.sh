@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-01 (fifteenth session), H200. Usage: bash bench/gpu_session21.sh a
-# Results: docs/PERFORMANCE.md, "Fifteenth session".
-#   a: the split-K partial kernel's EARLY_LOADS (kernels/split_kv_attention.py: the slots of each tile loaded a
-#      tile ahead, the first before the PDL wait; V's loads issued before K's; after the wait, q and the first K / V
-#      tile pulled into L1 at once): the attention and PDL GPU tests, then the 8B step with and without it,
-#      alternating
-#   c: the partial kernel's registers as Triton 3.6 compiles it (bench/probe_partial_regs.py), with and without
-#      PDL_MAXNREG / PREFETCH_L1; GPU tests at the new defaults (EARLY_LOADS, PREFETCH_L1 off, PDL_MAXNREG 128);
-#      then the 8B step with them and with EARLY_LOADS off, alternating, and once with PREFETCH_L1 too
-#   d: the merge's smaller tile for short requests (kernels/split_kv_merge.py MERGE_SMALL_SLOTS, 16; EARLY_LOADS
-#      and PREFETCH_L1 were reverted after a and c): the merge / decode / verify / PDL GPU tests, then the 8B step
-#      with and without it, alternating
-#   b: the issue's attention table (bench/bench_attention.py) at the defaults
+# GPU leases of 2026-12-01 (fifteenth session), H200. Results: docs/PERFORMANCE.md, "Fifteenth session".
+# None of the knobs these cases measured was faster, so none is on main: each case runs on the commit it ran at
+# (`git checkout COMMIT && bash bench/gpu_session21.sh CASE`); on main their --set names stop with "no such module
+# constant".
+#   a (at b947d15): the split-K partial kernel's EARLY_LOADS (kernels/split_kv_attention.py: the slots of each tile
+#      loaded a tile ahead, the first before the PDL wait; V's loads issued before K's; after the wait, q and the
+#      first K / V tile pulled into L1 at once): the attention and PDL GPU tests, then the 8B step with and without
+#      it, alternating
+#   c (at dd96b10): the partial kernel's registers as Triton 3.6 compiles it (bench/probe_partial_regs.py, which is
+#      on main), with and without PDL_MAXNREG / PREFETCH_L1; GPU tests at that commit's defaults (EARLY_LOADS,
+#      PREFETCH_L1 off, PDL_MAXNREG 128); then the 8B step with them and with EARLY_LOADS off, alternating, and
+#      once with PREFETCH_L1 too
+#   d (at cf24618): the merge's smaller tile for short requests (kernels/split_kv_merge.py MERGE_SMALL_SLOTS, 16):
+#      the merge / decode / verify / PDL GPU tests, then the 8B step with and without it, alternating
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -38,6 +39,4 @@ case "${1:-a}" in
        profile_8b profile_8b_d.log 60 --floor
        profile_8b profile_8b_d.log 60 --floor --set kernels.split_kv_merge.MERGE_SMALL_SLOTS=0
      done ;;
-  b) timeout 330 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | grep -v "^page"
- ;;
 esac

@@ -24,17 +24,32 @@ def num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_
 
 
 @triton.jit
-def _merge_slots(Mid_o, Mid_lse, Out, token, head, n_used, max_splits, stride_ot, stride_oh, stride_os, stride_lt,
-                 stride_lh, stride_outt, stride_outh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
-    """Merge the first ``n_used`` of (token, head)'s split slots (``BLOCK_S`` >= n_used of them loaded at once)."""
+def split_kv_merge_kernel(
+    Mid_o, Mid_lse, Out, Seq_lens,
+    programs_per_split, max_splits, target_programs, min_split_len,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
+    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+):
+    # grid: (num_tokens, heads)
+    token = tl.program_id(0)
+    head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # every slot of the tile is loaded at once (one memory round trip); the slots of splits this request did not
-    # use hold stale values and are dropped by the where's below (reading only the used splits, a few at a time
-    # and merged online, took 3.8 us in the 8B step instead of 2.3: docs/PERFORMANCE.md, fourteenth session)
+    # every split's slot is loaded at once with the request's length (one memory round trip, not two);
+    # the slots of splits this request did not use hold stale values and are dropped by the where's below (reading
+    # only the used splits, a few at a time and merged online, took 3.8 us in the 8B step instead of 2.3:
+    # docs/PERFORMANCE.md, fourteenth session)
     in_buf = s < max_splits
+    seq_len = tl.load(Seq_lens + token // Q_LEN)
+    n_used = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
+    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
+        if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
+            gdc_launch_dependents()
+        gdc_wait()
+        if not EARLY_TRIGGER:
+            gdc_launch_dependents()
     lse_row = Mid_lse + token * stride_lt + head * stride_lh
     o_row = Mid_o + token * stride_ot + head * stride_oh
     lse = tl.load(lse_row + s, mask=in_buf, other=float("-inf"))
@@ -50,37 +65,6 @@ def _merge_slots(Mid_o, Mid_lse, Out, token, head, n_used, max_splits, stride_ot
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
-def split_kv_merge_kernel(
-    Mid_o, Mid_lse, Out, Seq_lens,
-    programs_per_split, max_splits, target_programs, min_split_len,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
-    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SMALL_S: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-):
-    # grid: (num_tokens, heads)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + token // Q_LEN)
-    n_used = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
-    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
-        if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
-            gdc_launch_dependents()
-        gdc_wait()
-        if not EARLY_TRIGGER:
-            gdc_launch_dependents()
-    if SMALL_S < BLOCK_S:
-        if n_used <= SMALL_S:  # a short request: a smaller tile of slots (see MERGE_SMALL_SLOTS)
-            _merge_slots(Mid_o, Mid_lse, Out, token, head, n_used, max_splits, stride_ot, stride_oh, stride_os,
-                         stride_lt, stride_lh, stride_outt, stride_outh, HEAD_DIM, BLOCK_D, SMALL_S)
-        else:
-            _merge_slots(Mid_o, Mid_lse, Out, token, head, n_used, max_splits, stride_ot, stride_oh, stride_os,
-                         stride_lt, stride_lh, stride_outt, stride_outh, HEAD_DIM, BLOCK_D, BLOCK_S)
-    else:
-        _merge_slots(Mid_o, Mid_lse, Out, token, head, n_used, max_splits, stride_ot, stride_oh, stride_os,
-                     stride_lt, stride_lh, stride_outt, stride_outh, HEAD_DIM, BLOCK_D, BLOCK_S)
-
-
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
 # lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
@@ -90,11 +74,6 @@ REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
 # (so after the kernel before the partial completed), reads before its wait nothing the partial writes, and its
 # wait returns after the merge completes, which is after the partial completes.
 MERGE_EARLY_TRIGGER = True
-# A request that used at most this many splits is merged from a tile of this many slots instead of all
-# ``max_splits`` (a branch on the split count, decided before the PDL wait; 0: off). The merge's time is its
-# tile's instructions, not its bytes: 64 slots took 2.3 us in the 8B step, 32 slots 1.7 (thirteenth session); at
-# batch 1 and 1k context a request uses 16 of 64.
-MERGE_SMALL_SLOTS = 16
 
 
 def launch_split_kv_merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
@@ -104,14 +83,12 @@ def launch_split_kv_merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch
     into ``out`` ``[n, heads, dim]`` (inside a triton_op body: the kernel goes through ``wrap_triton``); the split
     policy arguments are stage 1's. ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
     n, heads, dim = out.shape
-    block_s = max(2, triton.next_power_of_2(max_splits))
-    small_s = triton.next_power_of_2(MERGE_SMALL_SLOTS) if MERGE_SMALL_SLOTS > 0 else block_s
     wrap_triton(split_kv_merge_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_S=block_s, SMALL_S=min(max(2, small_s), block_s), USE_PDL=pdl,
+        BLOCK_S=max(2, triton.next_power_of_2(max_splits)), USE_PDL=pdl,
         EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, num_warps=REDUCE_NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )

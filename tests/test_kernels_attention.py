@@ -130,18 +130,6 @@ def test_decode_matches_reference(heads, kv_heads, dim, page_size, policy):
 
 
 @interpreted
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_merge_of_short_requests_takes_a_smaller_tile(monkeypatch, q_len):
-    """``MERGE_SMALL_SLOTS``: requests that used at most that many splits are merged from a smaller tile of slots,
-    the others from all of them; both in one batch."""
-    from kernels import split_kv_merge
-
-    monkeypatch.setattr(split_kv_merge, "MERGE_SMALL_SLOTS", 2)
-    policy = (8, 64, 16)  # up to 8 splits of >= 16 keys: 1, 2, 4 and 8 splits for these lengths
-    check_split_kv(6, 2, 16, 4, [9, 30, 60, 250], q_len, None, policy, seed=q_len)
-
-
-@interpreted
 @pytest.mark.parametrize("q_len,mask_width", [(4, None), (4, 4), (3, 12), (1, 6)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_verify_matches_reference(q_len, mask_width, page_size):
@@ -236,11 +224,9 @@ def test_split_count_does_not_change_the_result():
     torch.testing.assert_close(results[0], results[2], rtol=1e-5, atol=1e-5)
 
 
-def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False,
-                                       small_s: int = 16) -> None:
+def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early_trigger: bool = False) -> None:
     """The merge kernel (``use_pdl``: its PDL variant, ``early_trigger``: letting the next kernel launch before its
-    wait; requests of at most ``small_s`` splits merged from a tile of that many slots) reads every slot of its
-    tile. The slots of splits a request did not use (here NaN
+    wait) reads every split's slot of the partial buffers. The slots of splits a request did not use (here NaN
     outputs with a large log-sum-exp, as stale memory may hold) must not reach the output; an empty split that was
     used (lse -inf, output 0) weighs nothing, also when the first ones are; a row whose splits are all empty gives
     zeros."""
@@ -270,26 +256,24 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), Q_LEN=q_len, HEAD_DIM=dim, BLOCK_D=dim,
         BLOCK_S=triton.next_power_of_2(max_splits * 2),  # > max_splits: masked loads too
-        SMALL_S=small_s, USE_PDL=use_pdl, EARLY_TRIGGER=early_trigger,
+        USE_PDL=use_pdl, EARLY_TRIGGER=early_trigger,
         num_warps=4)  # (launched without the PDL attribute, the kernel's wait returns at once)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @interpreted
-@pytest.mark.parametrize("small_s", [16, 4])  # 16: off (the whole tile); 4: the 1- and 3-split requests
-def test_merge_ignores_stale_partials_interpreted(small_s):
-    check_merge_ignores_stale_partials("cpu", small_s=small_s)
+def test_merge_ignores_stale_partials_interpreted():
+    check_merge_ignores_stale_partials("cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_pdl,early_trigger,small_s", [(False, False, 16), (True, False, 16), (True, True, 16),
-                                                           (True, True, 4)])
-def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger, small_s):
+@pytest.mark.parametrize("use_pdl,early_trigger", [(False, False), (True, False), (True, True)])
+def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger):
     from kernels.pdl import HAS_GDC
 
     if use_pdl and not HAS_GDC:
         pytest.skip("this Triton has no grid dependency control")
-    check_merge_ignores_stale_partials("cuda", use_pdl, early_trigger, small_s)
+    check_merge_ignores_stale_partials("cuda", use_pdl, early_trigger)
 
 
 def test_compiled_cpu_code_runs_the_references():
