@@ -13,6 +13,9 @@
 #      once with PREFETCH_L1 too
 #   d (at cf24618): the merge's smaller tile for short requests (kernels/split_kv_merge.py MERGE_SMALL_SLOTS, 16):
 #      the merge / decode / verify / PDL GPU tests, then the 8B step with and without it, alternating
+#   e (main, 6dc9afe): the GPU tests not run on main's kernels in this session's or the fourteenth's leases: the
+#      model-level and backend tests, the fused qkv / RoPE / store kernels, the bonus-token fill, and the PDL model
+#      tests (plain, n-gram and layer-skip tokens with PDL on and off; tree speculation through triton)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -39,4 +42,8 @@ case "${1:-a}" in
        profile_8b profile_8b_d.log 60 --floor
        profile_8b profile_8b_d.log 60 --floor --set kernels.split_kv_merge.MERGE_SMALL_SLOTS=0
      done ;;
+  e) gpu_tests gpu_e1.log 150 tests/test_kernels_qkv_rope_store.py tests/test_kernels_rope_store.py \
+       tests/test_fill_bonus_tokens.py
+     gpu_tests gpu_e2.log 200 tests/test_kernels_pdl.py -k "model_tokens or tree"
+     gpu_tests gpu_e3.log 200 tests/test_gpu.py tests/test_attention_backends.py ;;
 esac
