@@ -39,8 +39,8 @@ def split_kv_merge_kernel(
     d_ok = d < HEAD_DIM
     # every split's slot is loaded at once with the request's length (one memory round trip, not two);
     # the slots of splits this request did not use hold stale values and are dropped by the where's below (reading
-    # only the used splits, a few at a time and merged online, took 3.8 us in the 8B step instead of 2.3:
-    # docs/PERFORMANCE.md, fourteenth session)
+    # only the used splits, a few at a time and merged online, took 3.8 us in the 8B step instead of 2.3, and a
+    # 16-slot tile for requests of <= 16 splits 2.55: docs/PERFORMANCE.md, fourteenth and fifteenth sessions)
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
     n_used = num_kv_splits(seq_len, programs_per_split, max_splits, target_programs, min_split_len)
