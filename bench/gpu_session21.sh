@@ -16,12 +16,7 @@
 #   e (main, 6dc9afe): the GPU tests not run on main's kernels in this session's or the fourteenth's leases: the
 #      model-level and backend tests, the fused qkv / RoPE / store kernels, the bonus-token fill, and the PDL model
 #      tests (plain, n-gram and layer-skip tokens with PDL on and off; tree speculation through triton)
-#   f (prepared, not yet run; main): the qkv kernel's launch (the gemv class `wide`, (8, 512, 4, 3)), whose 13.0 us
-#      are 1.3 us over its weight at the copy bandwidth: launches the twelfth session did not try, one run each
-#      between two runs of the defaults
-#   g (prepared, not yet run; main): 2 split-K programs per SM for decode (TARGET_PROGRAMS_PER_SM.decode=2: 32 split
-#      slots at batch 1, the merge 1.7 us instead of 2.3 in the thirteenth session's two runs), three alternating
-#      pairs, then what it costs the long single requests of the attention table (1 x 4k, 1 x 32k)
+#   f, g: moved, not run here: bench/gpu_session22.sh a and b (sixteenth session)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -52,18 +47,4 @@ case "${1:-a}" in
        tests/test_fill_bonus_tokens.py
      gpu_tests gpu_e2.log 200 tests/test_kernels_pdl.py -k "model_tokens or tree"
      gpu_tests gpu_e3.log 200 tests/test_gpu.py tests/test_attention_backends.py ;;
-  f) profile_8b profile_8b_f.log 60 --floor
-     for launch in 4,512,4,3 8,256,4,3 4,1024,4,3 8,512,4,4 8,512,2,3; do
-       profile_8b profile_8b_f.log 60 --floor --gemv-launch "wide=$launch"
-     done
-     profile_8b profile_8b_f.log 60 --floor ;;
-  g) T=kernels.split_kv_attention.TARGET_PROGRAMS_PER_SM.decode
-     for run in 1 2 3; do
-       profile_8b profile_8b_g.log 60 --floor
-       profile_8b profile_8b_g.log 60 --floor --set "$T=2"
-     done
-     for per_sm in 4 2; do
-       timeout 150 python3 bench/bench_attention.py --configs 1x4096 1x32768 --page-sizes 16 --set "$T=$per_sm" \
-         2>&1 | tee "$OUT/bench_attention_g$per_sm.log" | grep -v "^page"
-     done ;;
 esac

@@ -1,6 +1,7 @@
 """Registers and spills of the split-K partial kernel as the GPU's Triton compiles it: one batch-1 decode (1k keys,
-Llama-3-8B attention shape, PDL and plain) per ``--set`` configuration given, then every compiled variant's
-``n_regs`` / ``n_spills`` and how many programs of its warps fit an SM's 64K registers.
+Llama-3-8B attention shape, PDL and plain) and one 8-token verify with a packed causal-chain tree mask (the same, with
+``--verify``) per ``--set`` configuration given, then every compiled variant's ``n_regs`` / ``n_spills`` and how many
+programs of its warps fit an SM's 64K registers.
 
     python bench/probe_partial_regs.py --set "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(64,8,1)"
 """
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels import split_kv_attention as ska  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.mask_bits import pack_mask_bits  # noqa: E402
+from kernels.verify_attention import verify_attention  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 
@@ -32,6 +35,7 @@ def compiled_variants(fn) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_set_option(ap)
+    ap.add_argument("--verify", action="store_true", help="also compile the 8-token verify tile")
     args = ap.parse_args()
     apply_sets(ap, args.set)
     heads, kv_heads, dim, context = 32, 8, 128, 1024
@@ -45,10 +49,21 @@ def main() -> None:
     for pdl in (False, True):
         decode_attention(q, k, v, table, rpi, seq, dim ** -0.5, *policy, pdl=pdl)
     torch.cuda.synchronize()
+    decode_variants = {id(kernel) for kernel in compiled_variants(ska._split_kv_partial_kernel)}
+    if args.verify:
+        draft = 8
+        qv = torch.randn(draft, heads, dim, device="cuda", dtype=torch.bfloat16)
+        mask = torch.ones(draft, draft, device="cuda", dtype=torch.bool).tril()[None]  # [1, q_len, q_len]
+        vpolicy = ska.split_policy(q.device, draft)
+        for pdl in (False, True):
+            verify_attention(qv, k, v, table, rpi, seq, mask, draft, dim ** -0.5, *vpolicy, pdl=pdl,
+                             mask_bits=pack_mask_bits(mask))
+    torch.cuda.synchronize()
     for kernel in compiled_variants(ska._split_kv_partial_kernel):
         warps = kernel.metadata.num_warps
         per_sm = 65536 // (-(-kernel.n_regs * 32 // 256) * 256 * warps)
-        print(f"partial kernel: {kernel.n_regs} registers, {kernel.n_spills} spills, {warps} warps: "
+        tile = "decode" if id(kernel) in decode_variants else "verify"
+        print(f"partial kernel ({tile}): {kernel.n_regs} registers, {kernel.n_spills} spills, {warps} warps: "
               f"{per_sm} programs per SM by registers ({args.set or 'defaults'})")
 
 
