@@ -8,6 +8,8 @@
 #   b (main): 2 split-K programs per SM for decode (TARGET_PROGRAMS_PER_SM.decode=2: 32 split slots at batch 1, the
 #      merge 1.7 us instead of 2.3 in the thirteenth session's two runs), three alternating pairs, then what it
 #      costs the long single requests of the attention table (1 x 4k, 1 x 32k)
+#   c (main): the issue's attention table (bench/bench_attention.py, defaults) twice: case b's run of its batch-1 rows
+#      gave verify / decode 1.37 at 1 x 4k (page 16), where the eleventh session's table had 1.19; and the clocks
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -25,5 +27,10 @@ case "${1:-a}" in
      for per_sm in 4 2; do
        timeout 150 python3 bench/bench_attention.py --configs 1x4096 1x32768 --page-sizes 16 --set "$T=$per_sm" \
          2>&1 | tee "$OUT/bench_attention_b$per_sm.log" | grep -v "^page"
+     done ;;
+  c) nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit,temperature.gpu \
+       --format=csv | tee "$OUT/clocks_c.log"
+     for run in 1 2; do
+       timeout 250 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention_c$run.log" | grep -v "^page"
      done ;;
 esac
