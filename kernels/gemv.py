@@ -98,24 +98,21 @@ def _accumulate(acc, ss_late, w, X, NW, offs_m, m_ok, offs_k, k_ok, stride_xm, K
 
 
 @triton.jit
-def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-              NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr,
-              LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
-    """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
-    rows of w ``offs_n`` ``[BLOCK_N]`` (any order); with ``USE_PDL``, the launch's wait comes first (after an L2
-    prefetch of the rows' first ``PREFETCH_K`` columns; with ``PRELOAD``, the first ``BLOCK_K`` columns are loaded
-    into registers before the wait and the prefetch takes the ``PREFETCH_K`` after them). Shared by ``tfs::gemv``
-    and ``tfs::qkv_rope_store``."""
-    tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
+def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr = False):
+    """What a program does before its product: with ``USE_PDL``, the launch's wait (after an L2 prefetch of the
+    weight rows ``offs_n``' first ``PREFETCH_K`` columns; with ``PRELOAD``, the first ``BLOCK_K`` columns are loaded
+    into registers before the wait and the prefetch takes the ``PREFETCH_K`` after them). Returns the preloaded
+    chunk ``[BLOCK_N, BLOCK_K]`` (zeros without ``PRELOAD``) for :func:`gemv_tile`. A kernel loads what its
+    epilogue needs from earlier kernels (a residual, RoPE's positions) between the two, so that the loads complete
+    during the weight loop instead of adding a round trip after it."""
     tl.static_assert(not PRELOAD or USE_PDL, "PRELOAD: only before a PDL launch's wait")
-    eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
     n_ok = offs_n < N
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     offs_k0 = tl.arange(0, BLOCK_K)
     w_first = tl.zeros((BLOCK_N, BLOCK_K), W.dtype.element_ty)
     if PRELOAD:  # the first chunk of the weight rows, held in registers across the wait
-        w_first = tl.load(w_rows + offs_k0[None, :], mask=n_ok[:, None] & (offs_k0 < K)[None, :], other=0.0)
+        w_first = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k0[None, :],
+                          mask=n_ok[:, None] & (offs_k0 < K)[None, :], other=0.0)
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
@@ -125,6 +122,21 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL: tl.
         # the next kernel may launch now: its programs wait too, and prefetch their weights meanwhile (letting it
         # launch after the weight loop instead made the 8B step 4.48 ms instead of 3.94: docs/PERFORMANCE.md)
         gdc_launch_dependents()
+    return w_first
+
+
+@triton.jit
+def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM: tl.constexpr,
+              SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
+    """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
+    rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
+    used with ``PRELOAD``). Shared by ``tfs::gemv`` and ``tfs::qkv_rope_store``."""
+    tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
+    eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
+    n_ok = offs_n < N
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    offs_k0 = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -173,11 +185,14 @@ def _gemv_kernel(
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, SILU_MUL,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if HAS_RESIDUAL:
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
+    r = tl.zeros((BLOCK_M, BLOCK_N), R.dtype.element_ty)
+    if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
+    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
+    if HAS_RESIDUAL:
         out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
 

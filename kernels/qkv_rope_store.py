@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, gemv_tile, launch_params, pdl_options
+from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_prologue, gemv_reference, gemv_tile, launch_params, pdl_options
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
 
@@ -39,17 +39,22 @@ def _qkv_rope_store_kernel(
     c = tl.program_id(0) % (HALF // PAIRS) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS] columns within the head
     i = tl.arange(0, BLOCK_N)
     offs_n = h * HEAD_DIM + i // PAIRS * HALF + tl.program_id(0) % (HALF // PAIRS) * PAIRS + i % PAIRS  # x1s, x2s
-    y = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, USE_PDL, PREFETCH_K, NORM, False,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
-    y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
-    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     ok = m_ok[:, None]
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
+    # the epilogue's positions, rotary rows and slots, loaded before the weight loop (after the wait: the batch's
+    # metadata may come from a kernel of the step) so that they arrive during it: after it they were two dependent
+    # round trips (position, then its cos / sin row) at the end of every program
+    pos = tl.load(Positions + offs_m, mask=m_ok, other=0).to(tl.int64)
+    cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
+    sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+    y = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM, False,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
+    y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
-        pos = tl.load(Positions + offs_m, mask=m_ok, other=0).to(tl.int64)
-        cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         r1 = (a * cs - b * sn).to(W.dtype.element_ty)
         r2 = (b * cs + a * sn).to(W.dtype.element_ty)
@@ -58,12 +63,10 @@ def _qkv_rope_store_kernel(
             tl.store(dst, r1, mask=ok)
             tl.store(dst + HALF, r2, mask=ok)
         else:
-            slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
             dst = K_cache + slot[:, None] * stride_kcs + (h - HEADS) * stride_kch + c[None, :]
             tl.store(dst, r1.to(K_cache.dtype.element_ty), mask=ok)
             tl.store(dst + HALF, r2.to(K_cache.dtype.element_ty), mask=ok)
     else:  # v: into the cache as it is
-        slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
         dst = V_cache + slot[:, None] * stride_vcs + (h - HEADS - KV_HEADS) * stride_vch + c[None, :]
         tl.store(dst, x1.to(V_cache.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
