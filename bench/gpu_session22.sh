@@ -10,6 +10,15 @@
 #      costs the long single requests of the attention table (1 x 4k, 1 x 32k)
 #   c (main): the issue's attention table (bench/bench_attention.py, defaults) twice: case b's run of its batch-1 rows
 #      gave verify / decode 1.37 at 1 x 4k (page 16), where the eleventh session's table had 1.19; and the clocks
+#   d, e: A/B against a base commit's code unpacked into old/ (untracked, carried with the working tree):
+#        mkdir old && git archive BASE kernels bench framework conf train_free_serve.py | tar -x -C old
+#      d: the batch-1 rows of the attention table (1 x 4k, 1 x 32k), here and in old/, alternating twice. Ran at
+#         2152d2d (main) and then with ca458e1's merge change in the working tree, both against BASE 6a2cb8c (the
+#         eleventh session's kernels, whose verify / decode was 1.19)
+#      e: the merge / decode / verify / PDL GPU tests (or, with E_TESTS=epilogue, the gemv / qkv / PDL ones), then
+#         the 8B step here and in old/, alternating (E_PAIRS pairs, default 2). Ran at ca458e1 against BASE 2152d2d
+#         (tests, 2 pairs, then 2 more pairs starting with old/), and at 84f4f39 against BASE ca458e1
+#         (E_TESTS=epilogue, 3 pairs)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
 case "${1:-a}" in
@@ -32,5 +41,22 @@ case "${1:-a}" in
        --format=csv | tee "$OUT/clocks_c.log"
      for run in 1 2; do
        timeout 250 python3 bench/bench_attention.py 2>&1 | tee "$OUT/bench_attention_c$run.log" | grep -v "^page"
+     done ;;
+  d) for r in 1 2; do
+       echo "== here $r"; python3 bench/bench_attention.py --configs 1x4096 1x32768 2>&1 | grep -A9 "^decode attention"
+       echo "== old/ $r"
+       (cd old && PYTHONPATH=/tmp/site:$PWD python3 bench/bench_attention.py --configs 1x4096 1x32768 2>&1 |
+          grep -A9 "^decode attention")
+     done ;;
+  e) if [ "${E_TESTS:-merge}" = epilogue ]; then
+       gpu_tests gpu_e.log 130 tests/test_kernels_pdl.py tests/test_kernels_qkv_rope_store.py \
+         tests/test_kernels_gemv.py -k "ops_equal or chain or qkv_rope_store_gpu or qkv_rope_store_pdl or gemv_gpu"
+     else
+       gpu_tests gpu_e.log 150 tests/test_kernels_pdl.py tests/test_kernels_attention.py \
+         -k "ops_equal or chain or stale or decode_on_cuda or verify_on_cuda or merge"
+     fi
+     for r in $(seq "${E_PAIRS:-2}"); do
+       profile_8b here.log 60 --floor
+       (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b old.log 60 --floor)
      done ;;
 esac
