@@ -6,6 +6,10 @@ numbers: bench/probe_partial_regs.py).
     python bench/partial_sass.py                # batch-1 decode tile (Llama-3-8B attention), with the JIT's hints
     python bench/partial_sass.py --no-hints     # without the divisibility hints: scalar loads, 255 registers
     python bench/partial_sass.py --q-len 8      # a verify over 8 tokens with the packed tree mask
+
+``--kernel merge | gemv | qkv`` does the same for the split-K merge (a verify's, plain launch), ``tfs::gemv`` with
+a residual (o_proj / down's PDL launch) and ``tfs::qkv_rope_store`` (PDL), printing every global load and store
+(with ``--no-pdl``, from the start): where a load of what the epilogue needs sits against the weight loop.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kernels.gemv import _gemv_kernel  # noqa: E402
+from kernels.qkv_rope_store import _qkv_rope_store_kernel  # noqa: E402
 from kernels.split_kv_attention import _split_kv_partial_kernel as KERNEL  # noqa: E402
+from kernels.split_kv_merge import split_kv_merge_kernel  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "Req_to_token": "*i64",
             "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mask": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"}
@@ -31,6 +38,20 @@ POINTERS = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "Req_to_token"
 # split slots, 4096-wide request rows): it gives them tt.divisibility=16, which lets K / V loads vectorise
 DIVISIBLE = {"stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_req", "stride_ot",
              "stride_oh", "stride_os", "stride_lt", "stride_lh", "max_splits", "target_programs", "min_split_len"}
+# the other kernels: (kernel, pointer types, constexprs, num_warps, num_stages), Llama-3-8B shapes at one row
+OTHERS = {
+    "merge": (split_kv_merge_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Seq_lens": "*i64"},
+              dict(Q_LEN=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, USE_PDL=False, EARLY_TRIGGER=False), 2, 1),
+    "gemv": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
+             dict(NORM=False, SILU_MUL=False, HAS_RESIDUAL=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
+                  IEEE_DOT=False, LATE_NORM=False, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
+    "qkv": (_qkv_rope_store_kernel, {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "Cos": "*fp32", "Sin": "*fp32",
+                                     "Positions": "*i64", "K_cache": "*bf16", "V_cache": "*bf16", "Slots": "*i64",
+                                     "Q_out": "*bf16"},
+            dict(HEADS=32, KV_HEADS=8, HEAD_DIM=128, HALF=64, NORM=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+                 EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
+}
+SHOWN_OTHERS = re.compile(r"LDG|STG|ACQBULK|PREEXIT|BRA|BAR|\.L_")
 SHOWN = re.compile(r"LDG|STG|STS|LDSM|HMMA|BAR|ACQBULK|PREEXIT|CCTL|STL|LDL")
 
 
@@ -39,7 +60,21 @@ def main() -> None:
     ap.add_argument("--q-len", type=int, default=1, help="1: decode (64-key tiles); more: verify (128-key tiles)")
     ap.add_argument("--no-hints", action="store_true", help="compile without the JIT's divisibility hints")
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--kernel", default="partial", choices=["partial", *OTHERS])
     args = ap.parse_args()
+    if args.kernel != "partial":
+        fn, pointers, consts, warps, stages = OTHERS[args.kernel]
+        if "USE_PDL" in consts and args.no_pdl:
+            consts = {**consts, "USE_PDL": False, "PRELOAD": False}
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32")
+               for n in fn.arg_names}
+        hinted = {n for n in fn.arg_names if n in pointers or n.startswith("stride") or n in ("N", "K", "max_splits")}
+        attrs = {} if args.no_hints else {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                                          if n in hinted}
+        show(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)),
+             SHOWN_OTHERS, from_wait=False)
+        return
     verify = args.q_len > 1
     consts = dict(Q_LEN=args.q_len, GROUP=4, HEAD_DIM=128, M_BLOCKS=1, BLOCK_M=32 if verify else 16,
                   BLOCK_N=128 if verify else 64, BLOCK_D=128, HAS_MASK=verify, MASK_BITS=verify, IEEE_DOT=False,
@@ -50,6 +85,12 @@ def main() -> None:
                                       if n in POINTERS or n in DIVISIBLE}
     compiled = triton.compile(ASTSource(fn=KERNEL, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    show(compiled, SHOWN, from_wait=True)
+
+
+def show(compiled, shown: re.Pattern, from_wait: bool) -> None:
+    """Print the cubin's registers and its SASS lines matching ``shown`` (from the PDL wait on, with
+    ``from_wait``)."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -60,9 +101,9 @@ def main() -> None:
                               capture_output=True, text=True, check=True).stdout
     print(next(line.strip() for line in usage.splitlines() if "REG:" in line), f"(Triton {triton.__version__})")
     lines = sass.splitlines()
-    start = next((i for i, line in enumerate(lines) if "ACQBULK" in line), 0)  # the PDL wait
+    start = next((i for i, line in enumerate(lines) if "ACQBULK" in line), 0) if from_wait else 0
     for line in lines[start:]:
-        if SHOWN.search(line):
+        if shown.search(line):
             print(" ".join(line.split())[:110])
 
 
