@@ -19,8 +19,8 @@
 #         the 8B step here and in old/, alternating (E_PAIRS pairs, default 2). Ran at ca458e1 against BASE 2152d2d
 #         (tests, 2 pairs, then 2 more pairs starting with old/), and at 84f4f39 against BASE ca458e1
 #         (E_TESTS=epilogue, 3 pairs)
-#   prepared for the next session, not run: the same case e at branch exp/qkv-meta-early (a054b5b: qkv_rope_store
-#      loads the positions and slots before its PDL wait, the cos / sin rows right after it), against main:
+#   the same case e at branch exp/qkv-meta-early (a054b5b: qkv_rope_store loads the positions and slots before its
+#      PDL wait, the cos / sin rows right after it), against main; ran in the seventeenth session (level):
 #        git checkout exp/qkv-meta-early && mkdir old && git archive main kernels bench framework conf \
 #          train_free_serve.py | tar -x -C old && E_TESTS=epilogue E_PAIRS=3 bash bench/gpu_session22.sh e
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (seventeenth session), H200. Results: docs/PERFORMANCE.md, "Seventeenth session".
+#   qkv (branch exp/qkv-meta-early, a054b5b, against main a1bd3a4): gpu_session22.sh's case e, as its header says
+#   cases d to h run on branch step-ends (git checkout step-ends; its STEP_END_OPS knob is not on main):
+#   d, e, f: A/B against a base commit's code unpacked into old/ (untracked, carried with the working tree):
+#        mkdir old && git archive BASE kernels bench framework conf train_free_serve.py | tar -x -C old
+#      d: the 8B step here and in old/, alternating (D_PAIRS pairs, default 3), then the step's first and last
+#         kernels of the last run of each. Ran on branch step-ends (the step's first and last kernels with PDL:
+#         tfs::embedding, tfs::final_norm, float32 logits from the lm_head) against BASE a1bd3a4 (main)
+#      e: the same for SmolLM2-135M's shape (random weights, batch 1, 1k context), where a fixed cost per step
+#         weighs 30 times more
+#         Ran once (seventeenth session): every run on step-ends printed nothing before its 60 s limit (old/ ran
+#         as always, 3869 / 3851 / 3848 us), and one more run without the profile's timeline, limited to 100 s,
+#         printed nothing either. Then no machine was lent for the rest of the session. Next: case g, then f
+#      f: the GPU tests of the change: the three ops and their PDL variants, the PDL chain in a CUDA graph, the
+#         gemv's lm_head shape, greedy tokens with PDL on / off and fused / unfused
+#      g: why step-ends' 8B profile printed nothing (a hang, or a slow compile): the ops' GPU tests and the PDL chain
+#         with them (limited), then the profile with compile.pdl=off and with PDL, each under faulthandler
+#         (SIGABRT at G_LIMIT s, default 150: the Python stacks of every thread show where it waits)
+#      h: after g, the profile with PDL and one of the three step-end ops at a time (framework/models/llama.py
+#         STEP_END_OPS), as in g
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
+
+# ends LOG: the first 5 and the last 4 kernels of the first forward in a --timeline log (the step's head and tail)
+ends() {
+  python3 - "$OUT/$1" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+n = int(re.search(r"in (\d+) kernels", text)[1])
+rows = [l for l in text.splitlines() if re.match(r"\s*[\d.]+ \|", l)]
+print("\n".join(rows[:5] + ["..."] + rows[n - 4:n]))
+PY
+}
+
+case "${1:-d}" in
+  d|e) model=llama3_8b_random; [ "$1" = e ] && model=smollm2_135m_random
+     for r in $(seq "${D_PAIRS:-3}"); do
+       profile_8b "here_$1.log" 60 --floor --model "$model"
+       (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b "old_$1.log" 60 --floor --model "$model")
+     done
+     echo "== here: head and tail"; ends "here_${1}_$run.log"
+     echo "== old/: head and tail"; ends "old_${1}_$((run + 1)).log" ;;
+  f) gpu_tests gpu_f.log 400 tests/test_kernels_step_ends.py tests/test_kernels_pdl.py tests/test_kernels_gemv.py \
+       -k "step_ends or ops_equal or chain or lm_head or (pdl_on_and_off and spec0) or smollm2" ;;
+  g|h) S=framework.models.llama.STEP_END_OPS c=$1
+     one() {  # NAME ARGS...: one profile run under faulthandler, its verdict lines and any Python stacks
+       local name=$1; shift
+       echo "== $name"
+       PYTHONFAULTHANDLER=1 timeout -s ABRT "${G_LIMIT:-150}" python3 bench/profile_gpu_decode.py \
+         --model llama3_8b_random --batch 1 --context 1024 --timeline 0 --floor "$@" -- attention=triton \
+         "model.tokenizer=$TFS_TOKENIZER" ${PDL_OFF:+compile.pdl=off} > "$OUT/${c}_$name.log" 2>&1
+       echo "rc $?"; grep -v -i "warn" "$OUT/${c}_$name.log" | grep -E "GPU span|HBM|File|Thread|Error|error" | head -30
+     }
+     if [ "$c" = g ]; then
+       gpu_tests gpu_g.log 200 tests/test_kernels_step_ends.py tests/test_kernels_pdl.py -k "step_ends or ops_equal or chain"
+       PDL_OFF=1 one all_pdl_off
+       one all
+     else
+       one embedding_only --set "$S.final_norm=False" "$S.float_logits=False"
+       one final_norm_only --set "$S.embedding=False" "$S.float_logits=False"
+       one float_logits_only --set "$S.embedding=False" "$S.final_norm=False"
+     fi ;;
+esac
