@@ -52,7 +52,10 @@ case "${1:-d}" in
        echo "rc $?"; grep -v -i "warn" "$OUT/${c}_$name.log" | grep -E "GPU span|HBM|File|Thread|Error|error" | head -30
      }
      if [ "$c" = g ]; then
-       gpu_tests gpu_g.log 200 tests/test_kernels_step_ends.py tests/test_kernels_pdl.py -k "step_ends or ops_equal or chain"
+       # -v names each test as it starts, and faulthandler_timeout dumps the stacks of one running over 60 s
+       gpu_tests gpu_g.log 200 tests/test_kernels_step_ends.py tests/test_kernels_pdl.py -v \
+         -o faulthandler_timeout=60 -k "step_ends or ops_equal or chain"
+       tail -4 "$OUT/gpu_g.log"
        PDL_OFF=1 one all_pdl_off
        one all
      else
