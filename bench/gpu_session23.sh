@@ -21,7 +21,8 @@
 #         STEP_END_OPS), as in g
 #   p (branch exp/attn-prefetch-o): the decode's partial kernel, after its own loads and stores, pulls into L2 the
 #      columns of o_proj's weight that o's PDL launch does not load before its wait (1536.. of 4096, 21 MB at 8B):
-#      the attention leaves HBM idle ~7 us a layer. The PDL GPU tests, then 3 alternating pairs of the 8B step with
+#      the attention leaves HBM idle ~7 us a layer. The PDL GPU tests (and a model's tokens with PDL on / off, the
+#      prefetch on), then 3 alternating pairs of the 8B step with
 #      the prefetch (PREFETCH_NEXT_LINES=2048) and without (=0)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 
@@ -67,7 +68,7 @@ case "${1:-d}" in
        one final_norm_only --set "$S.embedding=False" "$S.float_logits=False"
        one float_logits_only --set "$S.embedding=False" "$S.final_norm=False"
      fi ;;
-  p) gpu_tests gpu_p.log 150 tests/test_kernels_pdl.py -k "ops_equal or chain or early_columns"
+  p) gpu_tests gpu_p.log 240 tests/test_kernels_pdl.py -k "ops_equal or chain or early_columns or (pdl_on_and_off and spec0)"
      for r in 1 2 3; do
        profile_8b p.log 60 --floor
        profile_8b p.log 60 --floor --set kernels.split_kv_attention.PREFETCH_NEXT_LINES=0
