@@ -68,7 +68,8 @@ case "${1:-d}" in
        one final_norm_only --set "$S.embedding=False" "$S.float_logits=False"
        one float_logits_only --set "$S.embedding=False" "$S.final_norm=False"
      fi ;;
-  p) gpu_tests gpu_p.log 240 tests/test_kernels_pdl.py -k "ops_equal or chain or early_columns or (pdl_on_and_off and spec0)"
+  p) gpu_tests gpu_p.log 240 tests/test_kernels_pdl.py \
+       -k "ops_equal or chain or early_columns or (pdl_on_and_off and spec0)"
      for r in 1 2 3; do
        profile_8b p.log 60 --floor
        profile_8b p.log 60 --floor --set kernels.split_kv_attention.PREFETCH_NEXT_LINES=0
