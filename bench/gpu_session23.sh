@@ -19,6 +19,11 @@
 #         (SIGABRT at G_LIMIT s, default 150: the Python stacks of every thread show where it waits)
 #      h: after g, the profile with PDL and one of the three step-end ops at a time (framework/models/llama.py
 #         STEP_END_OPS), as in g
+#         Ran g at 620d16e (second lease of the session): the ops' GPU tests and the PDL chain with them passed (5);
+#         compile.pdl=off ran (4150 us); with PDL the run sat in inductor's IR __str__ recursion at 100 s (a text that
+#         doubles per layer of custom ops, host side: an ExternKernel's text embeds its inputs' texts)
+#      i: which code stringifies the IR: bench/probe_ir_str_caller.py (the profile, stopped at the first
+#         ExternKernel.__str__ with the caller's frames), on step-ends with PDL, then the same in old/ (main)
 #   p (branch exp/attn-prefetch-o): the decode's partial kernel, after its own loads and stores, pulls into L2 the
 #      columns of o_proj's weight that o's PDL launch does not load before its wait (1536.. of 4096, 21 MB at 8B):
 #      the attention leaves HBM idle ~7 us a layer. The PDL GPU tests (and a model's tokens with PDL on / off, the
@@ -68,6 +73,13 @@ case "${1:-d}" in
        one final_norm_only --set "$S.embedding=False" "$S.float_logits=False"
        one float_logits_only --set "$S.embedding=False" "$S.final_norm=False"
      fi ;;
+  i) timeout 150 python3 bench/probe_ir_str_caller.py --model llama3_8b_random --batch 1 --context 1024 \
+       --timeline 0 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 | grep -v -i warn | tail -30
+     echo "== old/"
+     cp bench/probe_ir_str_caller.py old/bench/
+     (cd old && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 bench/probe_ir_str_caller.py --model llama3_8b_random \
+        --batch 1 --context 1024 --timeline 0 -- attention=triton "model.tokenizer=$TFS_TOKENIZER" 2>&1 |
+        grep -v -i warn | tail -8) ;;
   p) gpu_tests gpu_p.log 240 tests/test_kernels_pdl.py \
        -k "ops_equal or chain or early_columns or (pdl_on_and_off and spec0)"
      for r in 1 2 3; do
