@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU leases of 2026-12-01 (seventeenth session), H200. Results: docs/PERFORMANCE.md, "Seventeenth session".
 #   qkv (branch exp/qkv-meta-early, a054b5b, against main a1bd3a4): gpu_session22.sh's case e, as its header says
-#   cases d to h run on branch step-ends (git checkout step-ends; its STEP_END_OPS knob is not on main):
+#   cases d to i run on branch step-ends (git checkout step-ends: its STEP_END_OPS knob and bench/probe_*.py are not on
+#   main):
 #   d, e, f: A/B against a base commit's code unpacked into old/ (untracked, carried with the working tree):
 #        mkdir old && git archive BASE kernels bench framework conf train_free_serve.py | tar -x -C old
 #      d: the 8B step here and in old/, alternating (D_PAIRS pairs, default 3), then the step's first and last
