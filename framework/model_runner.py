@@ -14,6 +14,7 @@ from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch, ForwardMode
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
+from kernels.inductor_fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self._compiled_forward = None
         if compiled:
             configure_dynamo()
+            register_inductor_fallbacks()  # before inductor meets an opaque tfs op deep in the graph: see that module
             if device.type == "cuda":
                 self._compiled_forward = torch.compile(self._forward, mode="reduce-overhead", fullgraph=True)
             else:
