@@ -6,14 +6,17 @@ an op has no lowering yet, inductor registers one on the spot ("implicit fallbac
 the op's arguments for a log line that is off by default: ``str()`` of each argument's IR node. An external kernel's
 text embeds its inputs' whole texts, so over a chain of custom ops where each layer's output feeds two ops (the next
 projection and the residual), the text doubles per layer. An op first met after 32 such layers (branch step-ends'
-own final-norm kernel) took longer than any timeout (seventeenth session: 2.7 M characters at 6 layers, 5.9 M at 7;
-torch 2.13 formats the line lazily; tests/test_inductor_fallbacks.py reproduces it on torch 2.11's CPU). Registering the same fallback ahead of time skips that path; what inductor builds is
-unchanged (the same ``make_fallback`` call with the same layout constraint as its implicit path).
+own final-norm kernel) took longer than any timeout (seventeenth session: 2.7 M characters at 6 layers, 5.9 M at 7).
+Torch 2.13 formats that line lazily; tests/test_inductor_fallbacks.py reproduces the blow-up on torch 2.11's CPU.
+Registering the same fallback ahead of time skips that path; what inductor builds is unchanged (the same
+``make_fallback`` call with the same layout constraint as its implicit path).
 """
 
 from __future__ import annotations
 
-import torch
+import logging
+
+log = logging.getLogger(__name__)
 
 
 def register_inductor_fallbacks() -> list[str]:
@@ -21,9 +24,13 @@ def register_inductor_fallbacks() -> list[str]:
 
     Idempotent. Ops implemented with ``triton_op`` are decomposed into their kernels before inductor lowers the graph,
     so their lowering is never looked up; registering one for them changes nothing."""
-    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
-    from torch._library.custom_ops import OPDEFS
-    from torch._library.utils import get_layout_constraint_tag
+    try:  # torch internals (as in torch 2.11 and 2.13); the workaround is needed up to torch 2.12
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.custom_ops import OPDEFS
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError as e:
+        log.warning("tfs ops' inductor fallbacks not registered in advance (%s): inductor makes them itself", e)
+        return []
 
     registered = []
     for name, opdef in list(OPDEFS.items()):
