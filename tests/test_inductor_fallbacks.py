@@ -3,6 +3,7 @@ through a pre-registered opaque op computes what eager code does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._inductor.config
 from torch._inductor.lowering import lowerings
@@ -62,6 +63,7 @@ def test_compiled_chain_through_a_preregistered_opaque_op_matches_eager() -> Non
     torch.testing.assert_close(torch.compile(_layers, fullgraph=True)(x, ws), _layers(x, ws))
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_an_op_first_met_after_a_deep_chain_compiles() -> None:
     """Torch <= 2.12 formats an implicit fallback's arguments for a log line: without the registration, the tail op
     after 40 layers would stringify ~2^40 nodes (seventeenth session: the 8B step's compile never ended)."""
