@@ -9,6 +9,8 @@
 #        only its embedding kernel
 #   m (main, after 5a9888c: the fallback registration landed): the compiled CUDA paths' GPU tests (logits against
 #      transformers under reduce-overhead, spec == plain, PDL on / off tokens, the PDL chain) and two 8B profiles
+#      (tests/test_inductor_fallbacks.py has no GPU tests: -m gpu deselects it). Its PDL tests ran past the 330 s
+#      limit; then, in a second call: gpu_tests gpu_m2.log 200 tests/test_kernels_pdl.py -k "chain or pdl_on_and_off"
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 case "${1:-m}" in
   m) gpu_tests gpu_m.log 330 tests/test_gpu.py tests/test_kernels_pdl.py tests/test_inductor_fallbacks.py

@@ -1,10 +1,11 @@
 """Per-layer kernel times from a ``bench/profile_gpu_decode.py --timeline N`` log (N >= one forward's kernels).
 
-    python bench/layer_times.py profile.log [--per-layer 6] [--first 2]
+    python bench/layer_times.py profile.log [--per-layer 6] [--first 2] [--ends]
 
 Kernels of a PDL chain overlap, so each kernel's time is counted from the previous kernel's end to its own end.
 Prints the median over the layers (the first and last layer dropped) of each of a layer's ``--per-layer`` kernels,
-their sum, and the kernels after the last layer (final norm, lm_head, ...).
+their sum, and the kernels after the last layer (final norm, lm_head, ...). ``--ends`` also splits the first forward
+into its head (step start to the first layer's first kernel), its layers and its tail (to the forward's last end).
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ def main() -> None:
     ap.add_argument("--per-layer", type=int, default=6, help="kernels per decoder layer")
     ap.add_argument("--first", type=int, default=2, help="kernels before the first layer (input copy, embedding)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--ends", action="store_true", help="print the first forward's head, layers and tail, us")
     args = ap.parse_args()
     rows = timeline(args.log)
+    if args.ends:
+        n = int(re.search(r"in (\d+) kernels", open(args.log).read())[1])  # kernels in one forward
+        head = rows[args.first][0]
+        layers_end = rows[args.first + args.per_layer * args.layers - 1][1]
+        tail = max(end for _, end, _ in rows[:n]) - layers_end
+        print(f"head {head:.1f} | layers {layers_end - head:.1f} | tail {tail:.1f}")
     ends = [end for _, end, _ in rows]
     since = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, len(ends))]  # us from the previous kernel's end
     k, first = args.per_layer, args.first
