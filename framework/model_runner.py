@@ -5,13 +5,16 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Optional
+
+import numpy as np
 
 import torch
 import torch._inductor.config  # noqa: F401  (config.patch for CPU freezing)
 
 from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch, ForwardMode
+from framework.graph_inputs import StaticInputs, pad_fresh
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
 from kernels.inductor_fallbacks import register_inductor_fallbacks
@@ -80,6 +83,7 @@ class ModelRunner:
                  pdl: bool = False) -> None:
         self.model = model
         self.backend = backend
+        self.device = device
         # compile.pdl, resolved: a compiling runner's kernels launch with PDL (its eager prefill's too)
         self.pdl = pdl and compiled
         model.pdl = backend.pdl = self.pdl
@@ -164,9 +168,9 @@ class ModelRunner:
             hidden_in = torch.cat([hidden_in, hidden_in.new_zeros(extra * q, hidden_in.shape[-1])])
         key = (batch.mode, padded_bs, q)
         if dev.type == "cuda":
-            if key not in self._static:
-                self._static[key] = StaticInputs(padded_bs, q, dev)
-            ints = self._static[key].fill(batch, dummy_len)
+            static = self._static_inputs(key)
+            ints = (*static.buffers, static.logits_index) if static.holds(batch, dummy_len) else static.fill(
+                batch, dummy_len)
         else:  # NOTE: also when extra is 0: the compiled graph gets fresh, aligned tensors, never views
             ints = pad_fresh(batch, extra, dummy_len)
         input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index = ints
@@ -176,6 +180,21 @@ class ModelRunner:
             logits_index=logits_index, custom_mask=custom_mask, hidden_in=hidden_in, padded_bs=padded_bs,
             seq_lens_sum=sum(seq_lens_cpu),
         )
+
+    def _static_inputs(self, key: tuple) -> StaticInputs:
+        if key not in self._static:
+            self._static[key] = StaticInputs(key[1], key[2], self.device)
+        return self._static[key]
+
+    def stage(self, mode: ForwardMode, q_len: int, ints: list[np.ndarray]) -> Optional[list[torch.Tensor]]:
+        """For the scheduler: write a uniform batch's integer inputs (host arrays in ``int_inputs``' order; no custom
+        mask) straight into the static buffers of the CUDA graph that will run it, with one host-to-device copy, so
+        that :meth:`forward` copies nothing. Returns the device views for its ForwardBatch (then its logits_index),
+        valid until the next forward of that shape; None where forwards do not run from static buffers."""
+        if not (self.compiled and mode.uniform and self.device.type == "cuda"):
+            return None
+        bs = len(ints[3])
+        return self._static_inputs((mode, self.padded_size(bs), q_len)).stage(ints, q_len)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,57 +246,3 @@ class ModelRunner:
             return contextlib.nullcontext()
         self._guarded.add(key)
         return full_guards()
-
-
-def dummy_inputs(num_reqs: int, q_len: int, dummy_len: int, device: torch.device) -> list[torch.Tensor]:
-    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens) of ``num_reqs`` dummy requests: each has
-    ``q_len`` tokens at positions 0.. in the reserved KV slot and req row, and ``dummy_len`` keys, all its own."""
-    tokens = torch.zeros(num_reqs * q_len, dtype=torch.int64, device=device)
-    return [tokens, torch.arange(q_len, device=device).repeat(num_reqs), torch.full_like(tokens, DUMMY_SLOT),
-            torch.full((num_reqs,), DUMMY_ROW, dtype=torch.int64, device=device),
-            torch.full((num_reqs,), dummy_len, dtype=torch.int64, device=device)]
-
-
-def int_inputs(batch: ForwardBatch) -> list[torch.Tensor]:
-    """The batch's integer graph inputs, in :func:`dummy_inputs`' order."""
-    return [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
-
-
-def pad_fresh(batch: ForwardBatch, extra: int, dummy_len: int) -> tuple[torch.Tensor, ...]:
-    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index) of ``batch`` with ``extra``
-    dummy requests appended, as new tensors."""
-    dev = batch.input_ids.device
-    dummies = dummy_inputs(extra, batch.q_len, dummy_len, dev)
-    return (*(torch.cat([real, dummy]) for real, dummy in zip(int_inputs(batch), dummies)),
-            torch.arange((batch.bs + extra) * batch.q_len, device=dev))
-
-
-class StaticInputs:
-    """The integer inputs of one captured CUDA graph shape ``(mode, padded_bs, q_len)``, at fixed addresses.
-
-    They are marked static (unguarded), so cudagraph trees replay without copying them into the graph's own input
-    buffers; one ``torch._foreach_copy_`` writes a batch's values and the dummy tail in one launch. Dummy rows are
-    rewritten on every fill: a smaller batch after a larger one leaves no stale slots behind.
-    """
-
-    def __init__(self, padded_bs: int, q_len: int, device: torch.device) -> None:
-        self.padded_bs, self.q_len, self.device = padded_bs, q_len, device
-        self.dummies: dict[int, list[torch.Tensor]] = {}  # dummy_len -> dummy_inputs for the whole padded batch
-        self.buffers = [torch.zeros_like(t) for t in dummy_inputs(padded_bs, q_len, 0, device)]
-        self.logits_index = torch.arange(padded_bs * q_len, device=device)
-        for t in [*self.buffers, self.logits_index]:
-            torch._dynamo.mark_static_address(t, guard=False)
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-
-    def fill(self, batch: ForwardBatch, dummy_len: int) -> tuple[torch.Tensor, ...]:
-        if dummy_len not in self.dummies:
-            self.dummies[dummy_len] = dummy_inputs(self.padded_bs, self.q_len, dummy_len, self.device)
-        n, bs = batch.input_ids.shape[0], batch.bs
-        src = int_inputs(batch)
-        cut = [n, n, n, bs, bs]
-        dst = [buf[:c] for buf, c in zip(self.buffers, cut)]
-        if bs < self.padded_bs:
-            dst += [buf[c:] for buf, c in zip(self.buffers, cut)]
-            src += [d[c:] for d, c in zip(self.dummies[dummy_len], cut)]
-        torch._foreach_copy_(dst, src)
-        return (*self.buffers, self.logits_index)

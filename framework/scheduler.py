@@ -46,6 +46,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, oldest first: holding a req row and KV
         self.num_preemptions = 0
+        # ModelRunner.stage, set by the engine: a decode batch's inputs written into the graph's static buffers
+        self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
 
     # ---- queues ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -155,13 +157,20 @@ class Scheduler:
             positions = np.asarray(starts, dtype=np.int64)
             logits_index = np.arange(len(reqs))
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
-        parts = [ids, positions, rows, np.asarray(ends, dtype=np.int64), logits_index]
-        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
-        views, offset = [], 0
-        for part in parts:
-            views.append(packed[offset: offset + len(part)])
-            offset += len(part)
-        input_ids, positions_t, rows_t, seq_lens, logits_index_t = views
+        staged = None
+        if step.mode is ForwardMode.DECODE and self.stage_inputs is not None:  # into the graph's static buffers
+            slots = np.concatenate([self.allocator.slots_host(r.row, s, e) for r, s, e in zip(reqs, starts, ends)])
+            staged = self.stage_inputs(step.mode, 1, [ids, positions, slots, rows, np.asarray(ends, dtype=np.int64)])
+        if staged is not None:
+            input_ids, positions_t, out_cache_loc, rows_t, seq_lens, logits_index_t = staged
+        else:
+            parts = [ids, positions, rows, np.asarray(ends, dtype=np.int64), logits_index]
+            packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
+            views, offset = [], 0
+            for part in parts:
+                views.append(packed[offset: offset + len(part)])
+                offset += len(part)
+            input_ids, positions_t, rows_t, seq_lens, logits_index_t = views
         return ForwardBatch(
             mode=step.mode, input_ids=input_ids, positions=positions_t, out_cache_loc=out_cache_loc,
             req_pool_indices=rows_t, seq_lens=seq_lens, seq_lens_cpu=ends, extend_lens_cpu=list(lens),

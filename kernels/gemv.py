@@ -57,11 +57,11 @@ LATE_NORM = True
 
 
 @triton.jit
-def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
+def _load_x(X, x_rows, offs_k, m_ok, k_ok, K, rstd, NW,
             NORM: tl.constexpr, SILU_MUL: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """The ``[BLOCK_M, BLOCK_K]`` chunk of the product's left operand, prologue applied, in ``OUT_DTYPE``."""
     ok = m_ok[:, None] & k_ok[None, :]
-    ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    ptr = X + x_rows[:, None] + offs_k[None, :]
     x = tl.load(ptr, mask=ok, other=0.0)
     if SILU_MUL:
         gate = x.to(tl.float32)
@@ -76,19 +76,19 @@ def _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW,
 
 
 @triton.jit
-def _accumulate(acc, ss_late, w, X, NW, offs_m, m_ok, offs_k, k_ok, stride_xm, K, rstd,
+def _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd,
                 NORM: tl.constexpr, SILU_MUL: tl.constexpr, LATE_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                 IEEE_DOT: tl.constexpr):
     """One K chunk of the product: ``acc`` += x chunk (prologue applied) times the weight chunk ``w``
     ``[BLOCK_N, BLOCK_K]``; with ``LATE_NORM``, ``ss_late`` accumulates x's squares."""
     if LATE_NORM:  # the RMS of x accumulates with the product; 1/rms scales the sums at the end
-        xr = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+        xr = tl.load(X + x_rows[:, None] + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)
         ss_late += xr * xr
         nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         x = xr * nw[None, :]
     else:
-        x = _load_x(X, offs_m, offs_k, m_ok, k_ok, stride_xm, K, rstd, NW, NORM, SILU_MUL,
+        x = _load_x(X, x_rows, offs_k, m_ok, k_ok, K, rstd, NW, NORM, SILU_MUL,
                     w.dtype)  # [BLOCK_M, BLOCK_K]
     if BLOCK_M == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
@@ -128,10 +128,13 @@ def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K:
 @triton.jit
 def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM: tl.constexpr,
               SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
+              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr,
+              Rows, GATHER: tl.constexpr):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
-    used with ``PRELOAD``). Shared by ``tfs::gemv`` and ``tfs::qkv_rope_store``."""
+    used with ``PRELOAD``). ``GATHER``: row ``m`` of x is row ``Rows[m]`` of ``X`` (an index the batch's metadata
+    holds: written before the kernel); otherwise row ``m``. Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
+    ``tfs::lm_head``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
     n_ok = offs_n < N
@@ -139,13 +142,17 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NOR
     offs_k0 = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
+    if GATHER:
+        x_rows = tl.load(Rows + offs_m, mask=m_ok, other=0).to(tl.int64) * stride_xm  # [BLOCK_M] offsets into X
+    else:
+        x_rows = offs_m * stride_xm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # LATE_NORM: sum of squares of x, by column
     if NORM and not LATE_NORM:  # the RMS of each row of x, before its first use
         ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+            xv = tl.load(X + x_rows[:, None] + offs_k[None, :],
                          mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
@@ -154,8 +161,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NOR
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PRELOAD:  # the first chunk's product, from the registers
-        acc, ss_late = _accumulate(acc, ss_late, w_first, X, NW, offs_m, m_ok, offs_k0, offs_k0 < K, stride_xm, K,
-                                   rstd, NORM, SILU_MUL, LATE_NORM, BLOCK_M, IEEE_DOT)
+        acc, ss_late = _accumulate(acc, ss_late, w_first, X, NW, x_rows, m_ok, offs_k0, offs_k0 < K, K, rstd, NORM,
+                                   SILU_MUL, LATE_NORM, BLOCK_M, IEEE_DOT)
     for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_ok = offs_k < K
@@ -163,8 +170,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NOR
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, ss_late = _accumulate(acc, ss_late, w, X, NW, offs_m, m_ok, offs_k, k_ok, stride_xm, K, rstd, NORM,
-                                   SILU_MUL, LATE_NORM, BLOCK_M, IEEE_DOT)
+        acc, ss_late = _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd, NORM, SILU_MUL,
+                                   LATE_NORM, BLOCK_M, IEEE_DOT)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -191,7 +198,7 @@ def _gemv_kernel(
     if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
     out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
+                    BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, X, False).to(Y.dtype.element_ty)
     if HAS_RESIDUAL:
         out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)

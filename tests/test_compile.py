@@ -66,6 +66,38 @@ def test_padding_keeps_the_callers_batch(compiled):
         engine.step()
 
 
+def test_staged_inputs_equal_the_scheduled_batch(compiled):
+    """On CUDA the scheduler writes a decode batch's inputs from the host straight into the graph's static buffers
+    (``StaticInputs.stage``, one copy; the runner then copies nothing): they hold what the device batch and fresh
+    padding hold, each buffer on 16 bytes, until a fill of the same shape replaces them."""
+    from framework.graph_inputs import StaticInputs, int_inputs, pad_fresh
+
+    engine = compiled.engine
+    for p in PROMPTS[:3]:
+        engine.submit(engine.make_request({"prompt": p, "max_tokens": 4}))
+    engine.step()  # prefill
+    step = engine.scheduler.schedule()
+    plain = engine.scheduler.build_batch(step)
+    static = StaticInputs(4, 1, torch.device("cpu"))
+    engine.scheduler.stage_inputs = lambda mode, q_len, ints: static.stage(ints, q_len)
+    try:
+        staged = engine.scheduler.build_batch(step)
+    finally:
+        engine.scheduler.stage_inputs = engine.runner.stage
+    for got, want in zip([*int_inputs(staged), staged.logits_index], [*int_inputs(plain), plain.logits_index]):
+        assert torch.equal(got, want)
+    assert static.holds(staged, 1) and not static.holds(staged, 2)
+    for got, want in zip((*static.buffers, static.logits_index), pad_fresh(plain, 1, 1)):
+        assert torch.equal(got, want)
+    assert all(buf.data_ptr() % 16 == 0 for buf in static.buffers)
+    static.fill(plain, 1)
+    assert not static.holds(staged, 1)
+    logits, _ = engine.runner.forward(plain)
+    engine.scheduler.process(step, logits.argmax(-1).tolist())
+    while engine.has_work():
+        engine.step()
+
+
 def test_static_inputs_equal_fresh_padding_and_leave_no_stale_rows():
     """The CUDA path's static graph inputs (filled in place) hold what fresh padding builds, also when a smaller
     batch follows a larger one in the same buffers (no slot or row of the earlier batch survives)."""

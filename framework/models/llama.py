@@ -15,7 +15,13 @@ from torch import nn
 
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels.gemv import gemv
+from kernels.lm_head import lm_head
 from kernels.rope_store import Rope, apply_rope, rope_at
+
+
+# the fused decode path's tail as one kernel (tfs::lm_head) instead of inductor's norm, tfs::gemv and inductor's
+# float32 conversion; a constant so that bench/knobs.py --set can turn it off to compare in one commit
+FUSED_LM_HEAD = True
 
 
 @dataclass
@@ -187,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
         for layer in layers:
             x = layer(x, rope, meta, fused, fused and self.pdl)
+        if fused and FUSED_LM_HEAD:  # the final norm, the row pick, the lm_head and .float() in one kernel
+            return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, logits_index, self.pdl)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU leases of 2026-12-01 (nineteenth session), H200. Results: docs/PERFORMANCE.md, "Nineteenth session".
+# The step's own kernels cut: tfs::lm_head (final norm + lm_head + float32 logits in one kernel, knob
+# framework.models.llama.FUSED_LM_HEAD) and decode inputs staged by the scheduler into the graph's static buffers
+# (no copy kernel in the forward). A/B against BASE ad86a5c (main before them) unpacked into old/:
+#   mkdir old && git archive ad86a5c kernels bench framework conf train_free_serve.py | tar -x -C old
+#   a: the kernels' GPU tests (lm_head, gemv, qkv_rope_store: gemv_tile's row gather), then the 8B step alternating
+#      here / here without tfs::lm_head / old, A_ROUNDS rounds (default 2)
+#   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, PDL on / off
+#      tokens with the tree verification, the PDL chain)
+source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
+case "${1:-a}" in
+  a) gpu_tests gpu_a.log 150 tests/test_kernels_lm_head.py tests/test_kernels_gemv.py tests/test_kernels_qkv_rope_store.py \
+       -k "gpu and not fused_decode_same_tokens"
+     for r in $(seq "${A_ROUNDS:-2}"); do
+       profile_8b here.log 60 --floor
+       profile_8b nohead.log 60 --floor --set framework.models.llama.FUSED_LM_HEAD=False
+       (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b old.log 60 --floor)
+     done ;;
+  b) gpu_tests gpu_b.log "${B_LIMIT:-500}" tests/test_gpu.py tests/test_kernels_pdl.py \
+       tests/test_kernels_gemv.py -k "not gemv_gpu and not odd_k and not cuda_graphs" ;;
+esac

@@ -1,0 +1,104 @@
+"""The integer inputs of a compiled forward: padding with dummy requests, and on CUDA the static buffers that the
+captured graphs read (:class:`StaticInputs`), which the scheduler can write straight from the host."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from framework.batch import ForwardBatch
+from framework.kv import DUMMY_ROW, DUMMY_SLOT
+
+ALIGN = 2  # int64 elements: every buffer of a StaticInputs starts on 16 bytes, as inductor assumes of its inputs
+
+
+def dummy_inputs_host(num_reqs: int, q_len: int, dummy_len: int) -> list[np.ndarray]:
+    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens) of ``num_reqs`` dummy requests: each has
+    ``q_len`` tokens at positions 0.. in the reserved KV slot and req row, and ``dummy_len`` keys, all its own."""
+    n = num_reqs * q_len
+    return [np.zeros(n, np.int64), np.tile(np.arange(q_len, dtype=np.int64), num_reqs),
+            np.full(n, DUMMY_SLOT, np.int64), np.full(num_reqs, DUMMY_ROW, np.int64),
+            np.full(num_reqs, dummy_len, np.int64)]
+
+
+def dummy_inputs(num_reqs: int, q_len: int, dummy_len: int, device: torch.device) -> list[torch.Tensor]:
+    """:func:`dummy_inputs_host` on ``device``."""
+    return [torch.from_numpy(a).to(device) for a in dummy_inputs_host(num_reqs, q_len, dummy_len)]
+
+
+def int_inputs(batch: ForwardBatch) -> list[torch.Tensor]:
+    """The batch's integer graph inputs, in :func:`dummy_inputs`' order."""
+    return [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens]
+
+
+def pad_fresh(batch: ForwardBatch, extra: int, dummy_len: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index) of ``batch`` with ``extra``
+    dummy requests appended, as new tensors."""
+    dev = batch.input_ids.device
+    dummies = dummy_inputs(extra, batch.q_len, dummy_len, dev)
+    return (*(torch.cat([real, dummy]) for real, dummy in zip(int_inputs(batch), dummies)),
+            torch.arange((batch.bs + extra) * batch.q_len, device=dev))
+
+
+class StaticInputs:
+    """The integer inputs of one captured CUDA graph shape ``(mode, padded_bs, q_len)``, at fixed addresses.
+
+    They are marked static (unguarded), so cudagraph trees replay without copying them into the graph's own input
+    buffers. The five buffers are views of one allocation (each on 16 bytes), so that a batch built on the host is
+    written by one host-to-device copy (:meth:`stage`, called by the scheduler: no kernel in the step); a batch
+    already on the device is copied in by one ``torch._foreach_copy_`` (:meth:`fill`). Dummy rows are rewritten
+    every time: a smaller batch after a larger one leaves no stale slots behind. What either writes is valid until
+    the next stage or fill of the same shape.
+    """
+
+    def __init__(self, padded_bs: int, q_len: int, device: torch.device) -> None:
+        self.padded_bs, self.q_len, self.device = padded_bs, q_len, device
+        self.dummies: dict[int, list[torch.Tensor]] = {}  # dummy_len -> dummy_inputs for the whole padded batch
+        n = padded_bs * q_len
+        self.sizes = [n, n, n, padded_bs, padded_bs]
+        self.starts = [0]
+        for size in self.sizes:
+            self.starts.append(self.starts[-1] + -(-size // ALIGN) * ALIGN)
+        self.host = np.zeros(self.starts[-1], np.int64)  # the staging copy of the packed buffer
+        self.packed = torch.zeros(self.starts[-1], dtype=torch.int64, device=device)
+        self.buffers = [self.packed[a:a + size] for a, size in zip(self.starts, self.sizes)]
+        self.logits_index = torch.arange(n, device=device)
+        self.staged: Optional[tuple[int, int]] = None  # (bs, dummy_len) of the last stage, until a fill
+        for t in [*self.buffers, self.logits_index]:
+            torch._dynamo.mark_static_address(t, guard=False)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def fill(self, batch: ForwardBatch, dummy_len: int) -> tuple[torch.Tensor, ...]:
+        """Copy a device batch's inputs and the dummy tail in; returns the six padded inputs."""
+        if dummy_len not in self.dummies:
+            self.dummies[dummy_len] = dummy_inputs(self.padded_bs, self.q_len, dummy_len, self.device)
+        n, bs = batch.input_ids.shape[0], batch.bs
+        src = int_inputs(batch)
+        cut = [n, n, n, bs, bs]
+        dst = [buf[:c] for buf, c in zip(self.buffers, cut)]
+        if bs < self.padded_bs:
+            dst += [buf[c:] for buf, c in zip(self.buffers, cut)]
+            src += [d[c:] for d, c in zip(self.dummies[dummy_len], cut)]
+        torch._foreach_copy_(dst, src)
+        self.staged = None
+        return (*self.buffers, self.logits_index)
+
+    def stage(self, ints: Sequence[np.ndarray], dummy_len: int) -> list[torch.Tensor]:
+        """Write a host batch's ``ints`` (:func:`int_inputs`' order) and the dummy tail with one host-to-device copy;
+        returns the real batch's views (:func:`int_inputs`' order, then its logits_index) for its ForwardBatch."""
+        bs = len(ints[3])
+        cut = [bs * self.q_len] * 3 + [bs] * 2
+        dummies = dummy_inputs_host(self.padded_bs, self.q_len, dummy_len)
+        for a, size, real, dummy, c in zip(self.starts, self.sizes, ints, dummies, cut):
+            self.host[a:a + c] = real
+            self.host[a + c:a + size] = dummy[c:]
+        self.packed.copy_(torch.from_numpy(self.host))  # pageable memory: returns once the host array is read
+        self.staged = (bs, dummy_len)
+        return [*(buf[:c] for buf, c in zip(self.buffers, cut)), self.logits_index[:cut[0]]]
+
+    def holds(self, batch: ForwardBatch, dummy_len: int) -> bool:
+        """True when ``batch`` is the one :meth:`stage` wrote last (no fill since): its inputs are in place."""
+        return (self.staged == (batch.bs, dummy_len)
+                and all(t.data_ptr() == buf.data_ptr() for t, buf in zip(int_inputs(batch), self.buffers)))
