@@ -94,7 +94,8 @@ class StaticInputs:
         for a, size, real, dummy, c in zip(self.starts, self.sizes, ints, dummies, cut):
             self.host[a:a + c] = real
             self.host[a + c:a + size] = dummy[c:]
-        self.packed.copy_(torch.from_numpy(self.host))  # pageable memory: returns once the host array is read
+        with torch.inference_mode():  # the buffers may have been made in a forward, as inference tensors
+            self.packed.copy_(torch.from_numpy(self.host))  # pageable memory: returns once the host array is read
         self.staged = (bs, dummy_len)
         return [*(buf[:c] for buf, c in zip(self.buffers, cut)), self.logits_index[:cut[0]]]
 

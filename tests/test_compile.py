@@ -78,7 +78,8 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
     engine.step()  # prefill
     step = engine.scheduler.schedule()
     plain = engine.scheduler.build_batch(step)
-    static = StaticInputs(4, 1, torch.device("cpu"))
+    with torch.inference_mode():  # as the runner makes them, in a forward
+        static = StaticInputs(4, 1, torch.device("cpu"))
     engine.scheduler.stage_inputs = lambda mode, q_len, ints: static.stage(ints, q_len)
     try:
         staged = engine.scheduler.build_batch(step)
