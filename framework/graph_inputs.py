@@ -81,7 +81,8 @@ class StaticInputs:
         if bs < self.padded_bs:
             dst += [buf[c:] for buf, c in zip(self.buffers, cut)]
             src += [d[c:] for d, c in zip(self.dummies[dummy_len], cut)]
-        torch._foreach_copy_(dst, src)
+        with torch.inference_mode():  # (the buffers may be inference tensors)
+            torch._foreach_copy_(dst, src)
         self.staged = None
         return (*self.buffers, self.logits_index)
 
