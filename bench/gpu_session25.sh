@@ -10,7 +10,7 @@
 #      tokens with the tree verification, the PDL chain)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 case "${1:-a}" in
-  a) gpu_tests gpu_a.log 150 tests/test_kernels_lm_head.py tests/test_kernels_gemv.py tests/test_kernels_qkv_rope_store.py \
+  a) [ "${A_TESTS:-1}" = 0 ] || gpu_tests gpu_a.log 150 tests/test_kernels_lm_head.py tests/test_kernels_gemv.py tests/test_kernels_qkv_rope_store.py \
        -k "gpu and not fused_decode_same_tokens"
      for r in $(seq "${A_ROUNDS:-2}"); do
        profile_8b here.log 60 --floor
