@@ -126,14 +126,13 @@ def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K:
 
 
 @triton.jit
-def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM: tl.constexpr,
+def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: tl.constexpr,
               SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr,
-              Rows, GATHER: tl.constexpr):
+              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
-    used with ``PRELOAD``). ``GATHER``: row ``m`` of x is row ``Rows[m]`` of ``X`` (an index the batch's metadata
-    holds: written before the kernel); otherwise row ``m``. Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
+    used with ``PRELOAD``). Row ``m`` of x starts at ``X + x_rows[m]`` (``[BLOCK_M]`` element offsets: usually
+    ``m * stride``; ``tfs::lm_head`` gathers rows). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
     ``tfs::lm_head``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
@@ -142,10 +141,6 @@ def gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NOR
     offs_k0 = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    if GATHER:
-        x_rows = tl.load(Rows + offs_m, mask=m_ok, other=0).to(tl.int64) * stride_xm  # [BLOCK_M] offsets into X
-    else:
-        x_rows = offs_m * stride_xm
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     ss_late = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # LATE_NORM: sum of squares of x, by column
     if NORM and not LATE_NORM:  # the RMS of each row of x, before its first use
@@ -197,8 +192,8 @@ def _gemv_kernel(
     r = tl.zeros((BLOCK_M, BLOCK_N), R.dtype.element_ty)
     if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
-    out = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, X, False).to(Y.dtype.element_ty)
+    out = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M,
+                    BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
     if HAS_RESIDUAL:
         out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)

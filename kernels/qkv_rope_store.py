@@ -50,8 +50,8 @@ def _qkv_rope_store_kernel(
     cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
     sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
     slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
-    y = gemv_tile(X, W, NW, M, N, K, eps, stride_xm, stride_wn, offs_n, w_first, NORM, False,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, X, False)
+    y = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, False,
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
     y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
