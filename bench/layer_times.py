@@ -32,11 +32,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("log")
     ap.add_argument("--per-layer", type=int, default=6, help="kernels per decoder layer")
-    ap.add_argument("--first", type=int, default=2, help="kernels before the first layer (input copy, embedding)")
+    ap.add_argument("--first", type=int, default=None,
+                    help="kernels before the first layer (input copy, embedding); default: those before the first "
+                         "qkv_rope_store kernel, else 2")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--ends", action="store_true", help="print the first forward's head, layers and tail, us")
     args = ap.parse_args()
     rows = timeline(args.log)
+    if args.first is None:
+        args.first = next((i for i, row in enumerate(rows) if row[2].startswith("_qkv_rope_store_kernel")), 2)
     if args.ends:
         n = int(re.search(r"in (\d+) kernels", open(args.log).read())[1])  # kernels in one forward
         head = rows[args.first][0]
