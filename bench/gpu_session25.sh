@@ -5,7 +5,8 @@
 # (no copy kernel in the forward). A/B against BASE ad86a5c (main before them) unpacked into old/:
 #   mkdir old && git archive ad86a5c kernels bench framework conf train_free_serve.py | tar -x -C old
 #   a: the kernels' GPU tests (lm_head, gemv, qkv_rope_store: gemv_tile's row gather), then the 8B step alternating
-#      here / here without tfs::lm_head / old, A_ROUNDS rounds (default 2)
+#      here / here without tfs::lm_head (A_KNOBS=0: not) / old, A_ROUNDS rounds (default 2), then each log's head /
+#      layers / tail
 #   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, PDL on / off
 #      tokens with the tree verification, the PDL chain)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
@@ -14,9 +15,10 @@ case "${1:-a}" in
        -k "gpu and not fused_decode_same_tokens"
      for r in $(seq "${A_ROUNDS:-2}"); do
        profile_8b here.log 60 --floor
-       profile_8b nohead.log 60 --floor --set framework.models.llama.FUSED_LM_HEAD=False
+       [ "${A_KNOBS:-1}" = 0 ] || profile_8b nohead.log 60 --floor --set framework.models.llama.FUSED_LM_HEAD=False
        (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b old.log 60 --floor)
-     done ;;
+     done
+     for f in "$OUT"/here_*.log "$OUT"/old_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends | head -1)"; done ;;
   b) gpu_tests gpu_b.log "${B_LIMIT:-500}" tests/test_gpu.py tests/test_kernels_pdl.py \
        tests/test_kernels_gemv.py -k "not gemv_gpu and not odd_k and not cuda_graphs" ;;
 esac
