@@ -7,6 +7,9 @@
 #   a: the kernels' GPU tests (lm_head, gemv, qkv_rope_store: gemv_tile's row gather), then the 8B step alternating
 #      here / here without tfs::lm_head (A_KNOBS=0: not) / old, A_ROUNDS rounds (default 2), then each log's head /
 #      layers / tail
+#   c: (after the lm_head lost its row index) the lm_head's GPU tests and the compiled paths' main ones (logits against
+#      transformers, compiled == eager, spec == plain, fused == unfused tokens, the PDL chain and ops, plain decoding
+#      with PDL on / off), then one pair of 8B profiles, here and old
 #   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, PDL on / off
 #      tokens with the tree verification, the PDL chain)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
@@ -18,6 +21,11 @@ case "${1:-a}" in
        [ "${A_KNOBS:-1}" = 0 ] || profile_8b nohead.log 60 --floor --set framework.models.llama.FUSED_LM_HEAD=False
        (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b old.log 60 --floor)
      done
+     for f in "$OUT"/here_*.log "$OUT"/old_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends | head -1)"; done ;;
+  c) gpu_tests gpu_c.log 330 tests/test_kernels_lm_head.py tests/test_gpu.py tests/test_kernels_pdl.py \
+       tests/test_kernels_gemv.py -k "lm_head or test_gpu or fused_decode_same_tokens or chain or ops_equal or (pdl_on_and_off and spec0)"
+     profile_8b here.log 60 --floor
+     (cd old && PYTHONPATH=/tmp/site:$PWD profile_8b old.log 60 --floor)
      for f in "$OUT"/here_*.log "$OUT"/old_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends | head -1)"; done ;;
   b) gpu_tests gpu_b.log "${B_LIMIT:-500}" tests/test_gpu.py tests/test_kernels_pdl.py \
        tests/test_kernels_gemv.py -k "not gemv_gpu and not odd_k and not cuda_graphs" ;;

@@ -1,10 +1,9 @@
-"""``tfs::lm_head`` (kernels/lm_head.py): the final RMSNorm, the logits' rows, the lm_head and the float32 logits in
-one kernel give what the unfused tail gives (``RMSNorm.forward``, the row pick, ``tfs::gemv``, ``.float()``) and
-what the plain-torch reference gives.
+"""``tfs::lm_head`` (kernels/lm_head.py): the final RMSNorm, the lm_head and the float32 logits of every row in one
+kernel give what the unfused tail gives (``RMSNorm.forward``, ``tfs::gemv``, ``.float()``) and what the plain-torch
+reference gives.
 
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small fp32 shapes:
-one row (the RMSNorm after the product), several rows, logits rows picked out of order, a hidden size that is not a
-multiple of the tile. GPU (``pytest -m gpu``): Llama-3-8B's lm_head in bf16 at 1 and 8 rows, its PDL variant,
+one row (the RMSNorm after the product), several rows, a hidden size that is not a multiple of the tile. GPU (``pytest -m gpu``): Llama-3-8B's lm_head in bf16 at 1 and 8 rows, its PDL variant,
 ``torch.library.opcheck``.
 """
 
@@ -22,27 +21,26 @@ INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
 
 
-def lm_head_args(rows: int, index: list[int], vocab: int, hidden: int, device: str, dtype: torch.dtype,
-                 seed: int) -> tuple:
-    """(x, norm_weight, eps, w, index); eps is large enough that dropping it shows."""
+def lm_head_args(rows: int, vocab: int, hidden: int, device: str, dtype: torch.dtype, seed: int) -> tuple:
+    """(x, norm_weight, eps, w); eps is large enough that dropping it shows."""
     gen = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(rows, hidden, generator=gen)).to(device, dtype)
     nw = (torch.rand(hidden, generator=gen) + 0.5).to(device, dtype)
     w = (torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5).to(device, dtype)
-    return x, nw, 0.1, w, torch.tensor(index, dtype=torch.int64, device=device)
+    return x, nw, 0.1, w
 
 
 def check(args: tuple, tol: float) -> None:
     """The kernel against (a) the unfused tail (hidden within a last-bit difference: the sum of squares runs in
     another order; logits within ``tol``) and (b) the reference."""
-    x, nw, eps, w, index = args
-    assert lm_head_applies(x, w, index)  # the kernel runs, not the reference
+    x, nw, eps, w = args
+    assert lm_head_applies(x, w)  # the kernel runs, not the reference
     logits, hidden = lm_head(*args)
-    assert logits.shape == (index.shape[0], w.shape[0]) and logits.dtype == torch.float32
+    assert logits.shape == (x.shape[0], w.shape[0]) and logits.dtype == torch.float32
     assert hidden.shape == x.shape and hidden.dtype == x.dtype
     xf = x.float()
     unfused_hidden = nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    unfused = gemv(unfused_hidden[index], w).float()
+    unfused = gemv(unfused_hidden, w).float()
     torch.testing.assert_close(hidden.float(), unfused_hidden.float(), atol=tol / 8, rtol=tol / 8)
     torch.testing.assert_close(logits, unfused, atol=tol, rtol=tol)
     ref_logits, ref_hidden = lm_head_reference(*args)
@@ -53,24 +51,24 @@ def check(args: tuple, tol: float) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("rows,index", [(1, [0]), (3, [0, 1, 2]), (4, [3, 1]), (5, [4, 0, 2, 2, 1])])
+@pytest.mark.parametrize("rows", [1, 3, 5])
 @pytest.mark.parametrize("hidden", [48, 96])
-def test_lm_head_interpreted(rows: int, index: list[int], hidden: int) -> None:
-    check(lm_head_args(rows, index, 200, hidden, "cpu", torch.float32, seed=rows + hidden), tol=1e-4)
+def test_lm_head_interpreted(rows: int, hidden: int) -> None:
+    check(lm_head_args(rows, 200, hidden, "cpu", torch.float32, seed=rows + hidden), tol=1e-4)
 
 
 @interpreted
 def test_opcheck_interpreted() -> None:
-    torch.library.opcheck(torch.ops.tfs.lm_head, lm_head_args(2, [1, 0], 160, 32, "cpu", torch.float32, 0),
+    torch.library.opcheck(torch.ops.tfs.lm_head, lm_head_args(2, 160, 32, "cpu", torch.float32, 0),
                           test_utils=("test_schema", "test_autograd_registration"))
 
 
 def test_reference_outside_the_kernel_limits() -> None:
     """More rows than the kernel serves, or a vocabulary too small for a program per hidden row: the reference."""
-    many = lm_head_args(17, list(range(17)), 400, 16, "cpu", torch.float32, 0)
-    small_vocab = lm_head_args(4, [3], 40, 16, "cpu", torch.float32, 0)
+    many = lm_head_args(17, 400, 16, "cpu", torch.float32, 0)
+    small_vocab = lm_head_args(4, 40, 16, "cpu", torch.float32, 0)
     for args in (many, small_vocab):
-        assert not lm_head_applies(args[0], args[3], args[4])
+        assert not lm_head_applies(args[0], args[3])
         for got, want in zip(lm_head(*args), lm_head_reference(*args)):
             assert torch.equal(got, want)
 
@@ -79,8 +77,7 @@ def test_opcheck_reference_and_fake_kernel() -> None:
     """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body."""
     run_opcheck_without_interpreter(
         "from tests.test_kernels_lm_head import lm_head_args\n"
-        "cases = [(torch.ops.tfs.lm_head, lm_head_args(n, idx, 160, 32, 'cpu', torch.float32, 0))\n"
-        "         for n, idx in ((1, [0]), (4, [2, 3]))]\n")
+        "cases = [(torch.ops.tfs.lm_head, lm_head_args(n, 160, 32, 'cpu', torch.float32, 0)) for n in (1, 4)]\n")
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
@@ -92,9 +89,9 @@ def test_interpreted_lm_head_in_a_subprocess() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8])
 def test_lm_head_gpu(rows: int) -> None:
-    args = lm_head_args(rows, list(range(rows)), 128256, 4096, "cuda", torch.bfloat16, seed=rows)
+    args = lm_head_args(rows, 128256, 4096, "cuda", torch.bfloat16, seed=rows)
     check(args, tol=4e-2)
-    torch.library.opcheck(torch.ops.tfs.lm_head, lm_head_args(2, [1, 0], 1000, 576, "cuda", torch.bfloat16, 1))
+    torch.library.opcheck(torch.ops.tfs.lm_head, lm_head_args(2, 1000, 576, "cuda", torch.bfloat16, 1))
 
 
 @pytest.mark.gpu
@@ -103,7 +100,7 @@ def test_lm_head_pdl_gpu() -> None:
 
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0")
-    args = lm_head_args(1, [0], 128256, 4096, "cuda", torch.bfloat16, seed=3)
+    args = lm_head_args(1, 128256, 4096, "cuda", torch.bfloat16, seed=3)
     for got, want in zip(lm_head(*args, pdl=True), lm_head(*args)):
         assert torch.equal(got, want)
     torch.library.opcheck(torch.ops.tfs.lm_head_pdl, args)

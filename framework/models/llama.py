@@ -202,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             x = layer(x, rope, meta, fused, fused and self.pdl, rows)
             rows = None
-        if fused and FUSED_LM_HEAD:  # the final norm, the row pick, the lm_head and .float() in one kernel
-            return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, logits_index, self.pdl)
+        if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
+            # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
+            return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
