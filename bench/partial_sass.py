@@ -43,24 +43,22 @@ DIVISIBLE = {"stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "s
 OTHERS = {
     "merge": (split_kv_merge_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Seq_lens": "*i64"},
               dict(Q_LEN=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, USE_PDL=False, EARLY_TRIGGER=False), 2, 1),
-    "gemv": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "R_rows": "*i64", "NW": "*bf16"},
-             dict(NORM=False, SILU_MUL=False, HAS_RESIDUAL=True, GATHER_R=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
+    "gemv": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
+             dict(NORM=False, SILU_MUL=False, HAS_RESIDUAL=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
                   IEEE_DOT=False, LATE_NORM=False, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
     # the lm_head's launch class ("vocab") with the final norm: tfs::lm_head, and tfs::gemv as the same product
     "lm_head": (_lm_head_kernel, {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "Logits": "*fp32", "Hidden": "*bf16"},
                 dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True,
                      PREFETCH_K=512), 4, 3),
-    "gemv_vocab": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "R_rows": "*i64",
-                                  "NW": "*bf16"},
-                   dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, GATHER_R=False, BLOCK_M=1, BLOCK_N=16,
+    "gemv_vocab": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
+                   dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, BLOCK_M=1, BLOCK_N=16,
                         BLOCK_K=256, EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512,
                         PRELOAD=False), 4, 3),
-    "qkv": (_qkv_rope_store_kernel, {"X": "*bf16", "Rows": "*i64", "W": "*bf16", "NW": "*bf16", "Cos": "*fp32", "Sin": "*fp32",
+    "qkv": (_qkv_rope_store_kernel, {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "Cos": "*fp32", "Sin": "*fp32",
                                      "Positions": "*i64", "K_cache": "*bf16", "V_cache": "*bf16", "Slots": "*i64",
                                      "Q_out": "*bf16"},
             dict(HEADS=32, KV_HEADS=8, HEAD_DIM=128, HALF=64, NORM=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-                 EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512, PRELOAD=True,
-                 GATHER=False), 4, 3),
+                 EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
 }
 SHOWN_OTHERS = re.compile(r"LDG|STG|ACQBULK|PREEXIT|BRA|BAR|\.L_")
 SHOWN = re.compile(r"LDG|STG|STS|LDSM|HMMA|BAR|ACQBULK|PREEXIT|CCTL|STL|LDL")

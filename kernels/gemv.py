@@ -178,8 +178,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
 
 @triton.jit
 def _gemv_kernel(
-    X, W, Y, R, R_rows, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATHER_R: tl.constexpr,
+    X, W, Y, R, NW, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -188,14 +188,10 @@ def _gemv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if GATHER_R:  # residual row m is row R_rows[m] of R (token ids into the embedding): batch metadata, before the wait
-        r_rows = tl.load(R_rows + offs_m, mask=offs_m < M, other=0).to(tl.int64) * stride_rm
-    else:
-        r_rows = offs_m * stride_rm
     w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
     r = tl.zeros((BLOCK_M, BLOCK_N), R.dtype.element_ty)
     if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
-        r = tl.load(R + r_rows[:, None] + offs_n[None, :], mask=ok, other=0.0)
+        r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
     out = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M,
                     BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
     if HAS_RESIDUAL:
@@ -250,10 +246,8 @@ def pdl_options(m: int, n: int, k: int, element_size: int, pdl: bool = True) -> 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
                 launch: Optional[tuple[int, int, int, int]] = None, pdl: bool = False,
-                prefetch_k: Optional[int] = 0, preload: Optional[bool] = False,
-                residual_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it; ``residual_rows``: the
-    residual is ``residual[residual_rows]``).
+                prefetch_k: Optional[int] = 0, preload: Optional[bool] = False) -> torch.Tensor:
+    """Launch the kernel (``launch`` overrides the tuned parameters; the tuner uses it).
 
     ``pdl``: programmatic dependent launch (Hopper+), after an L2 prefetch of the first ``prefetch_k`` columns of
     the program's weight rows; ``preload``: the first ``BLOCK_K`` columns loaded into registers before the wait
@@ -267,10 +261,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     torch._check(x.shape[1] == (2 * k if silu_mul else k), lambda: f"tfs::gemv: x {tuple(x.shape)} vs w {(n, k)}")
     torch._check(x.stride(-1) == 1 and w.is_contiguous(), lambda: "tfs::gemv: x needs unit inner stride, w contiguous")
     if residual is not None:
-        rows = m if residual_rows is None else residual.shape[0]
-        torch._check(residual.shape == (rows, n) and residual.stride(-1) == 1, lambda: "tfs::gemv: residual [m, n]")
-    torch._check(residual_rows is None or (residual is not None and residual_rows.shape == (m,)),
-                 lambda: "tfs::gemv: residual_rows [m] needs a residual")
+        torch._check(residual.shape == (m, n) and residual.stride(-1) == 1, lambda: "tfs::gemv: residual [m, n]")
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(), lambda: "tfs::gemv: norm_weight [k]")
     torch._check(not pdl or HAS_GDC, lambda: "tfs::gemv: pdl needs a Triton with grid dependency control")
@@ -288,9 +279,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     res = residual if residual is not None else y
     nw = norm_weight if norm_weight is not None else w
     wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n),)](
-        x, w, y, res, residual_rows if residual_rows is not None else res, nw, m, n, k, eps, x.stride(0), w.stride(0),
-        y.stride(0), res.stride(0), NORM=norm_weight is not None, SILU_MUL=silu_mul,
-        HAS_RESIDUAL=residual is not None, GATHER_R=residual_rows is not None,
+        x, w, y, res, nw, m, n, k, eps, x.stride(0), w.stride(0), y.stride(0), res.stride(0),
+        NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
         USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
@@ -301,23 +291,19 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
 
 @triton_op("tfs::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
-            eps: float, silu_mul: bool, residual_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+            eps: float, silu_mul: bool) -> torch.Tensor:
     """x ``[m, k]`` (``[m, 2k]`` with ``silu_mul``), m <= MAX_ROWS, unit inner stride; w ``[n, k]`` contiguous;
-    residual ``[m, n]`` or None (with ``residual_rows`` ``[m]``: a table whose rows ``residual_rows`` are added,
-    e.g. the embedding and the token ids, each in range: not checked on the device); norm_weight ``[k]`` or None ->
-    ``[m, n]`` in w's dtype."""
-    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, residual_rows=residual_rows)
+    residual ``[m, n]`` or None; norm_weight ``[k]`` or None -> ``[m, n]`` in w's dtype."""
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul)
 
 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
 def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
-                norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
-                residual_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
     """``tfs::gemv`` with programmatic dependent launch (CUDA, kernels/pdl.py) after an L2 prefetch of the first
     ``PDL_PREFETCH_K`` weight columns (16-bit weights) and with ``PDL_PRELOAD``, by launch class: an opaque op, which
     inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
-    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=None, preload=None,
-                       residual_rows=residual_rows)
+    return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=None, preload=None)
 
 
 @gemv_pdl_op.register_fake
@@ -326,11 +312,8 @@ def _gemv_pdl_fake(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Ten
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
-                   norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool,
-                   residual_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
     """Plain torch, in the order the unfused decoder layer computes it."""
-    if residual_rows is not None:
-        residual = residual[residual_rows]
     if silu_mul:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
@@ -351,12 +334,12 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
          norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, silu_mul: bool = False,
-         pdl: bool = False, residual_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+         pdl: bool = False) -> torch.Tensor:
     """The op where Triton runs and the batch is small enough (see :func:`gemv_applies`; ``pdl``: its PDL variant
-    on CUDA), the reference elsewhere; ``residual_rows``: the residual is ``residual[residual_rows]``."""
+    on CUDA), the reference elsewhere."""
     if silu_mul and norm_weight is not None:
         raise ValueError("gemv: silu_mul and norm_weight cannot be combined")
     fn = torch.ops.tfs.gemv if gemv_applies(x, w) else gemv_reference
     if pdl and x.is_cuda and fn is not gemv_reference:
         fn = torch.ops.tfs.gemv_pdl
-    return fn(x, w, residual, norm_weight, eps, silu_mul, residual_rows)
+    return fn(x, w, residual, norm_weight, eps, silu_mul)

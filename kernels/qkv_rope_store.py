@@ -26,12 +26,12 @@ from kernels.rope_store import check_inputs, rope_store_kv_reference
 
 @triton.jit
 def _qkv_rope_store_kernel(
-    X, Rows, W, NW, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out, M, N, K, eps,
+    X, W, NW, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out, M, N, K, eps,
     stride_xm, stride_wn, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    PRELOAD: tl.constexpr, GATHER: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     # grid: ((heads + 2 * kv_heads) * HALF / PAIRS,); program p: PAIRS columns c of head h's first half, and c + HALF
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -42,10 +42,6 @@ def _qkv_rope_store_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     ok = m_ok[:, None]
-    if GATHER:  # row m of x is row Rows[m] of X (token ids into the embedding): batch metadata, before the wait
-        x_rows = tl.load(Rows + offs_m, mask=m_ok, other=0).to(tl.int64) * stride_xm
-    else:
-        x_rows = offs_m * stride_xm
     w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
     # the epilogue's positions, rotary rows and slots, loaded before the weight loop (after the wait: the batch's
     # metadata may come from a kernel of the step) so that they arrive during it: after it they were two dependent
@@ -54,7 +50,7 @@ def _qkv_rope_store_kernel(
     cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
     sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
     slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
-    y = gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM, False,
+    y = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, False,
                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
     y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
@@ -83,26 +79,22 @@ def _launch(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int]:
     return block_n, block_k, warps, stages
 
 
-def qkv_rope_store_applies(x: torch.Tensor, w: torch.Tensor, head_dim: int,
-                           x_rows: Optional[torch.Tensor] = None) -> bool:
+def qkv_rope_store_applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
     """True when the fused kernel serves this layer: a decode-sized batch where Triton runs, and whole column
     pairs per program (``head_dim / 2`` a multiple of half the tile)."""
-    rows = x.shape[0] if x_rows is None else x_rows.shape[0]
-    return (use_triton(x) and rows <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous()
+    return (use_triton(x) and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous()
             and head_dim % 2 == 0 and (head_dim // 2) % (_launch(x, w)[0] // 2) == 0)
 
 
 def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                           cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          head_dim: int, pdl: bool = False, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          head_dim: int, pdl: bool = False) -> torch.Tensor:
     """Check and launch (``pdl``: with programmatic dependent launch, from the opaque op)."""
-    m, k = x.shape if x_rows is None else (x_rows.shape[0], x.shape[1])
+    m, k = x.shape
     n = w.shape[0]
-    torch._check(x_rows is None or (x_rows.dim() == 1 and not x_rows.is_floating_point()),
-                 lambda: "tfs::qkv_rope_store: x_rows 1-D integers")
     torch._check(m <= MAX_ROWS and x.stride(-1) == 1 and w.is_contiguous() and w.shape[1] == k,
-                 lambda: f"tfs::qkv_rope_store: {m} rows of x {tuple(x.shape)} (at most {MAX_ROWS}, unit inner stride) "
+                 lambda: f"tfs::qkv_rope_store: x {tuple(x.shape)} (at most {MAX_ROWS} rows, unit inner stride) "
                          f"vs w {tuple(w.shape)} (contiguous)")
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,) and norm_weight.is_contiguous(),
@@ -118,15 +110,14 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
     prefetch_k, preload = pdl_options(m, n, k, w.element_size(), pdl)  # by launch class, as tfs::gemv_pdl
     nw = norm_weight if norm_weight is not None else w
     wrap_triton(_qkv_rope_store_kernel)[(n // head_dim * (half // (block_n // 2)),)](
-        x, x_rows if x_rows is not None else positions, w, nw, cos, sin, positions, k_cache, v_cache, slots, q, m, n,
-        k, eps,
+        x, w, nw, cos, sin, positions, k_cache, v_cache, slots, q, m, n, k, eps,
         x.stride(0), w.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, GATHER=x_rows is not None, num_warps=warps,
-        num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return q
 
@@ -135,21 +126,20 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
 def qkv_rope_store_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                       cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                      head_dim: int, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x ``[m <= 16, hidden]`` (with ``x_rows`` ``[m <= 16]``: a table whose rows ``x_rows`` are the layer's
-    input, e.g. the embedding and the token ids, each in range: not checked on the device); w ``[(heads + 2 *
-    kv_heads) * head_dim, hidden]``; norm_weight ``[hidden]`` or None; cos / sin / positions / caches / slots as
-    ``tfs::rope_store_kv`` -> q ``[m, heads, head_dim]`` in w's dtype (k, v written to the caches)."""
+                      head_dim: int) -> torch.Tensor:
+    """x ``[m <= 16, hidden]``; w ``[(heads + 2 * kv_heads) * head_dim, hidden]``; norm_weight ``[hidden]`` or
+    None; cos / sin / positions / caches / slots as ``tfs::rope_store_kv`` -> q ``[m, heads, head_dim]`` in w's
+    dtype (k, v written to the caches)."""
     return launch_qkv_rope_store(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads,
-                                 num_kv_heads, head_dim, x_rows=x_rows)
+                                 num_kv_heads, head_dim)
 
 
 def qkv_rope_store_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                             head_dim: int, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             head_dim: int) -> torch.Tensor:
     """Plain torch: the projection as ``tfs::gemv``'s reference, then ``tfs::rope_store_kv``'s."""
-    qkv = gemv_reference(x if x_rows is None else x[x_rows], w, None, norm_weight, eps, False)
+    qkv = gemv_reference(x, w, None, norm_weight, eps, False)
     return rope_store_kv_reference(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
                                    head_dim)
 
@@ -161,30 +151,29 @@ register_cpu_reference(qkv_rope_store_op, qkv_rope_store_reference)
 def qkv_rope_store_pdl_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                           cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          head_dim: int, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          head_dim: int) -> torch.Tensor:
     """``tfs::qkv_rope_store`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
     return launch_qkv_rope_store(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads,
-                                 num_kv_heads, head_dim, pdl=True, x_rows=x_rows)
+                                 num_kv_heads, head_dim, pdl=True)
 
 
 @qkv_rope_store_pdl_op.register_fake
 def _qkv_rope_store_pdl_fake(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                             head_dim: int, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return x.new_empty(x.shape[0] if x_rows is None else x_rows.shape[0], num_heads, head_dim, dtype=w.dtype)
+                             head_dim: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], num_heads, head_dim, dtype=w.dtype)
 
 
 def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                   pdl: bool = False, x_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   pdl: bool = False) -> torch.Tensor:
     """The op where it applies (:func:`qkv_rope_store_applies`; ``pdl``: its PDL variant on CUDA), the reference
-    elsewhere. ``x_rows``: the layer's input is ``x[x_rows]`` (the kernel gathers the rows itself)."""
-    applies = qkv_rope_store_applies(x, w, head_dim, x_rows)
-    fn = torch.ops.tfs.qkv_rope_store if applies else qkv_rope_store_reference
-    if pdl and x.is_cuda and applies:
+    elsewhere."""
+    fn = torch.ops.tfs.qkv_rope_store if qkv_rope_store_applies(x, w, head_dim) else qkv_rope_store_reference
+    if pdl and x.is_cuda and fn is not qkv_rope_store_reference:
         fn = torch.ops.tfs.qkv_rope_store_pdl
     return fn(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
-              head_dim, x_rows)
+              head_dim)

@@ -63,30 +63,6 @@ def test_qkv_rope_store_interpreted(heads: int, kv_heads: int, dim: int, rows: i
 
 
 @interpreted
-@pytest.mark.parametrize("rows", [1, 3])
-def test_qkv_rope_store_x_rows_interpreted(rows: int) -> None:
-    """``x_rows``: the input is ``x[x_rows]`` (the embedding table and the token ids), gathered by the kernel."""
-    args = fused_args(rows, 4, 2, 16, 48, True, "cpu", torch.float32, seed=rows)
-    x, rest = args[0], args[1:]
-    table = torch.cat([torch.randn(2, 48), x.flip(0), torch.randn(3, 48)])
-    ids = torch.arange(1 + rows, 1, -1)  # x's rows, from the flipped copy
-    assert qkv_rope_store_applies(table, args[1], 16, ids)
-    big = torch.randn(40, 48)  # more rows than the kernel serves, of which it reads a few
-    assert qkv_rope_store_applies(big, args[1], 16, ids) and not qkv_rope_store_applies(big, args[1], 16)
-    caches = rest[6].clone(), rest[7].clone()
-    q = qkv_rope_store(table, *rest, x_rows=ids)
-    gathered_caches = rest[6].clone(), rest[7].clone()
-    rest[6].copy_(caches[0])
-    rest[7].copy_(caches[1])
-    torch.testing.assert_close(q, qkv_rope_store(*args), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(gathered_caches[0], rest[6], atol=1e-6, rtol=1e-6)
-    assert torch.equal(gathered_caches[1], rest[7])
-    ref_k, ref_v = caches[0].clone(), caches[1].clone()
-    ref = qkv_rope_store_reference(table, *rest[:6], ref_k, ref_v, *rest[8:], x_rows=ids)
-    torch.testing.assert_close(q, ref, atol=1e-4, rtol=1e-4)
-
-
-@interpreted
 def test_opcheck_interpreted() -> None:
     torch.library.opcheck(torch.ops.tfs.qkv_rope_store, fused_args(2, 4, 2, 16, 32, True, "cpu", torch.float32, 0),
                           test_utils=("test_schema", "test_autograd_registration"))
@@ -97,8 +73,7 @@ def test_opcheck_reference_and_fake_kernel() -> None:
     run_opcheck_without_interpreter(
         "from tests.test_kernels_qkv_rope_store import fused_args\n"
         "cases = [(torch.ops.tfs.qkv_rope_store, fused_args(n, 4, 2, 16, 32, norm, 'cpu', torch.float32, 0))\n"
-        "         for n in (1, 5) for norm in (True, False)]\n"
-        "cases.append((torch.ops.tfs.qkv_rope_store, (*cases[0][1], torch.tensor([0]))))\n")
+        "         for n in (1, 5) for norm in (True, False)]\n")
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")

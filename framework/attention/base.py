@@ -45,11 +45,9 @@ class AttentionBackend:
         return None
 
     def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           rope: Any, layer: int, meta: Any,
-                           x_rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                           rope: Any, layer: int, meta: Any) -> Optional[torch.Tensor]:
         """A backend that fuses a decode-sized batch's qkv projection (with the RMSNorm before it), RoPE and the
-        K/V store takes the layer's input here: x ``[n, hidden]`` (with ``x_rows`` ``[n]``: a table whose rows
-        ``x_rows`` are the input, the embedding and the token ids), w_qkv ``[(heads + 2 * kv_heads) * head_dim,
+        K/V store takes the layer's input here: x ``[n, hidden]``, w_qkv ``[(heads + 2 * kv_heads) * head_dim,
         hidden]`` -> ``[n, heads * head_dim]``. None: not fused (the model projects and calls
         :meth:`forward_qkv`)."""
         return None

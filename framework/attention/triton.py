@@ -131,15 +131,14 @@ class TritonBackend(AttentionBackend):
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           rope: Any, layer: int, meta: TritonMetadata,
-                           x_rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                           rope: Any, layer: int, meta: TritonMetadata) -> Optional[torch.Tensor]:
         """The qkv projection, RoPE and the K/V store in one kernel (``tfs::qkv_rope_store``), then attention."""
-        if not self._qkv_rope_store_applies(x, w_qkv, self.head_dim, x_rows):
+        if not self._qkv_rope_store_applies(x, w_qkv, self.head_dim):
             return None
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
         q = self._qkv_rope_store(x, w_qkv, norm_weight, eps, rope.cos_table, rope.sin_table, rope.positions, k_cache,
                                  v_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 self.pdl, x_rows)  # [n, heads, dim]
+                                 self.pdl)  # [n, heads, dim]
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

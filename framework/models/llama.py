@@ -22,8 +22,6 @@ from kernels.rope_store import Rope, apply_rope, rope_at
 # the fused decode path's tail as one kernel (tfs::lm_head) instead of inductor's norm, tfs::gemv and inductor's
 # float32 conversion; a constant so that bench/knobs.py --set can turn it off to compare in one commit
 FUSED_LM_HEAD = True
-# ... and its head: the first layer's qkv and o_proj kernels gather the embedding's rows themselves (no gather kernel)
-FUSED_EMBEDDING = True
 
 
 @dataclass
@@ -131,23 +129,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False,
-                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
-        ``pdl``: their programmatic-dependent-launch variant (kernels/pdl.py). ``rows`` (fused only): the input is
-        ``x[rows]`` (the embedding table and the token ids), gathered by the qkv and o_proj kernels themselves."""
+        ``pdl``: their programmatic-dependent-launch variant (kernels/pdl.py)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
             norm = self.input_layernorm
             out = attn.backend.forward_projection(x, attn.qkv_proj.weight, norm.weight, norm.eps, rope, attn.layer_id,
-                                                  meta, rows)
+                                                  meta)
             if out is None:  # the backend does not fuse the projection: tfs::gemv, then RoPE and attention
-                if rows is not None:
-                    x, rows = F.embedding(rows, x), None
                 qkv = gemv(x, attn.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, pdl=pdl)
                 out = attn.attend(qkv, rope, meta)
-            x = gemv(out, attn.o_proj.weight, residual=x, pdl=pdl, residual_rows=rows)
+            x = gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps, pdl=pdl)
             return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
@@ -190,18 +184,15 @@ class LlamaForCausalLM(nn.Module):
                 layer_ids: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns logits ``[m, vocab]`` (float32) of the rows ``logits_index`` and the final-norm hidden states
         ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
+        x = self.embed_tokens(input_ids)  # [n, hidden]
         rope = rope_at(self.rope_cos, self.rope_sin, positions)
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
         # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
         # launch per linear would cost more than cuBLAS's (and under TRITON_INTERPRET=1 every linear would run in
         # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
-        fused = (self.fused_decode and input_ids.is_cuda and torch.compiler.is_compiling()
-                 and input_ids.shape[0] <= GEMV_MAX_ROWS)
-        rows = input_ids if fused and FUSED_EMBEDDING and layers else None
-        x = self.embed_tokens.weight if rows is not None else self.embed_tokens(input_ids)  # [vocab or n, hidden]
+        fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
         for layer in layers:
-            x = layer(x, rope, meta, fused, fused and self.pdl, rows)
-            rows = None
+            x = layer(x, rope, meta, fused, fused and self.pdl)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
             return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
