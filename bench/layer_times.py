@@ -5,7 +5,8 @@
 Kernels of a PDL chain overlap, so each kernel's time is counted from the previous kernel's end to its own end.
 Prints the median over the layers (the first and last layer dropped) of each of a layer's ``--per-layer`` kernels,
 their sum, and the kernels after the last layer (final norm, lm_head, ...). ``--ends`` also splits the first forward
-into its head (step start to the first layer's first kernel), its layers and its tail (to the forward's last end).
+into its head (step start to the first layer's first kernel), its layers and its tail (to the forward's last end),
+and gives the end of the first layer's first kernel and the time from it to the layers' end.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def main() -> None:
         args.first = next((i for i, row in enumerate(rows) if row[2].startswith("_qkv_rope_store_kernel")), 2)
     if args.ends:
         n = int(re.search(r"in (\d+) kernels", open(args.log).read())[1])  # kernels in one forward
-        head = rows[args.first][0]
+        head, first_end = rows[args.first][:2]
         layers_end = rows[args.first + args.per_layer * args.layers - 1][1]
         tail = max(end for _, end, _ in rows[:n]) - layers_end
-        print(f"head {head:.1f} | layers {layers_end - head:.1f} | tail {tail:.1f}")
+        print(f"head {head:.1f} | layers {layers_end - head:.1f} | tail {tail:.1f} | the first layer's first kernel "
+              f"ends at {first_end:.1f}, the layers after it {layers_end - first_end:.1f}")
     ends = [end for _, end, _ in rows]
     since = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, len(ends))]  # us from the previous kernel's end
     k, first = args.per_layer, args.first
