@@ -108,7 +108,8 @@ class Engine:
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,
                                    reserve_tokens=max(1, self.spec_width))
-        self.scheduler.stage_inputs = self.runner.stage
+        if self.runner.stages_inputs:  # decode batches go straight into the CUDA graphs' static buffers
+            self.scheduler.stage_inputs = self.runner.stage
         self.drafter = DRAFTERS.build(spec.name, self, spec)
         self.spec_worker = SpecWorker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)

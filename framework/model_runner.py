@@ -186,12 +186,17 @@ class ModelRunner:
             self._static[key] = StaticInputs(key[1], key[2], self.device)
         return self._static[key]
 
+    @property
+    def stages_inputs(self) -> bool:
+        """True when compiled forwards run from static buffers that :meth:`stage` can fill (CUDA graphs)."""
+        return self.compiled and self.device.type == "cuda"
+
     def stage(self, mode: ForwardMode, q_len: int, ints: list[np.ndarray]) -> Optional[list[torch.Tensor]]:
         """For the scheduler: write a uniform batch's integer inputs (host arrays in ``int_inputs``' order; no custom
         mask) straight into the static buffers of the CUDA graph that will run it, with one host-to-device copy, so
         that :meth:`forward` copies nothing. Returns the device views for its ForwardBatch (then its logits_index),
         valid until the next forward of that shape; None where forwards do not run from static buffers."""
-        if not (self.compiled and mode.uniform and self.device.type == "cuda"):
+        if not (self.stages_inputs and mode.uniform):
             return None
         bs = len(ints[3])
         return self._static_inputs((mode, self.padded_size(bs), q_len)).stage(ints, q_len)
