@@ -11,7 +11,11 @@
 #      transformers, compiled == eager, spec == plain, fused == unfused tokens, the PDL chain and ops, plain decoding
 #      with PDL on / off), then one pair of 8B profiles, here and old
 #   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, PDL on / off
-#      tokens with the tree verification, the PDL chain)
+#      tokens with the tree verification, the PDL chain): not run (device time)
+# Ran: a at 1c77e8a (tests; its profiles failed: inference tensors, fixed in 5d888ed / 40a2d2c), A_TESTS=0 a at
+#   40a2d2c, A_KNOBS=0 A_ROUNDS=3 a at 2986b71 (with the embedding gather, reverted in b76b392), c at 24c19a9 (also
+#   with it). Next session: A_TESTS=0 A_KNOBS=0 A_ROUNDS=3 a on the final code, then b (its tree test has not run
+#   since the eighteenth session's fallback fix)
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 case "${1:-a}" in
   a) [ "${A_TESTS:-1}" = 0 ] || gpu_tests gpu_a.log 150 tests/test_kernels_lm_head.py tests/test_kernels_gemv.py tests/test_kernels_qkv_rope_store.py \
