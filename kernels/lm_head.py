@@ -5,9 +5,10 @@ of the logits' rows), the lm_head's product, and the conversion of the logits to
 ``tfs::gemv``'s (:func:`kernels.gemv.gemv_tile`) over every row of x (the logits of every token: what a uniform
 batch asks for) with the RMSNorm fused in (for one row after the product, as ``LATE_NORM`` does everywhere),
 storing float32 logits rounded to the weight's dtype first, as ``.float()`` of the unfused product gives them;
-programs ``p < m`` also write row ``p`` of the hidden states, ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` as ``RMSNorm.forward`` computes it. With PDL
-(``tfs::lm_head_pdl``) the lm_head then launches while the last layer finishes and streams its weight from the
-start, where the unfused tail had it wait for a norm kernel that could not let it launch early.
+programs ``p < m`` also write row ``p`` of the hidden states, ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+as ``RMSNorm.forward`` computes it. With PDL (``tfs::lm_head_pdl``) the lm_head then launches while the last layer
+finishes and streams its weight from the start, where the unfused tail had it wait for a norm kernel that could not
+let it launch early.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ kernel give what the unfused tail gives (``RMSNorm.forward``, ``tfs::gemv``, ``.
 reference gives.
 
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small fp32 shapes:
-one row (the RMSNorm after the product), several rows, a hidden size that is not a multiple of the tile. GPU (``pytest -m gpu``): Llama-3-8B's lm_head in bf16 at 1 and 8 rows, its PDL variant,
-``torch.library.opcheck``.
+one row (the RMSNorm after the product), several rows, a hidden size that is not a multiple of the tile. GPU
+(``pytest -m gpu``): Llama-3-8B's lm_head in bf16 at 1 and 8 rows, its PDL variant, ``torch.library.opcheck``.
 """
 
 from __future__ import annotations
