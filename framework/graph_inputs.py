@@ -96,7 +96,7 @@ class StaticInputs:
             self.host[a:a + c] = real
             self.host[a + c:a + size] = dummy[c:]
         with torch.inference_mode():  # the buffers may have been made in a forward, as inference tensors
-            self.packed.copy_(torch.from_numpy(self.host))  # pageable memory: returns once the host array is read
+            self.packed.copy_(torch.from_numpy(self.host))  # a blocking copy: self.host is free again on return
         self.staged = (bs, dummy_len)
         return [*(buf[:c] for buf, c in zip(self.buffers, cut)), self.logits_index[:cut[0]]]
 

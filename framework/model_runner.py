@@ -195,7 +195,7 @@ class ModelRunner:
         """For the scheduler: write a uniform batch's integer inputs (host arrays in ``int_inputs``' order; no custom
         mask) straight into the static buffers of the CUDA graph that will run it, with one host-to-device copy, so
         that :meth:`forward` copies nothing. Returns the device views for its ForwardBatch (then its logits_index),
-        valid until the next forward of that shape; None where forwards do not run from static buffers."""
+        valid until the next stage or fill of that shape; None where forwards do not run from static buffers."""
         if not (self.stages_inputs and mode.uniform):
             return None
         bs = len(ints[3])

@@ -131,8 +131,9 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
               EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
-    used with ``PRELOAD``). Row ``m`` of x starts at ``X + x_rows[m]`` (``[BLOCK_M]`` element offsets: usually
-    ``m * stride``; ``tfs::lm_head`` gathers rows). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
+    used with ``PRELOAD``). Row ``m`` of x starts at ``X + x_rows[m]`` (``[BLOCK_M]`` element offsets; every
+    caller passes ``m * stride``: a gathered row costs each program a round trip before its first x load,
+    docs/PERFORMANCE.md, nineteenth session). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
     ``tfs::lm_head``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math

@@ -80,7 +80,7 @@ def launch_lm_head(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: to
     block_n, block_k, warps, stages = launch_params(m, v, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
-    prefetch_k, _ = pdl_options(m, v, k, w.element_size(), pdl)  # the lm_head's launch class never preloads
+    prefetch_k, _ = pdl_options(m, v, k, w.element_size(), pdl)  # (this kernel never preloads a weight chunk)
     logits = torch.empty(m, v, dtype=torch.float32, device=x.device)
     hidden = torch.empty(m, k, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
     grid = triton.cdiv(v, block_n)

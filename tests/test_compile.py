@@ -66,6 +66,7 @@ def test_padding_keeps_the_callers_batch(compiled):
         engine.step()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine stages for itself on CUDA (tests/test_gpu.py)")
 def test_staged_inputs_equal_the_scheduled_batch(compiled):
     """On CUDA the scheduler writes a decode batch's inputs from the host straight into the graph's static buffers
     (``StaticInputs.stage``, one copy; the runner then copies nothing): they hold what the device batch and fresh

@@ -76,3 +76,44 @@ def test_speculative_greedy_on_cuda_equals_plain(spec):
     llm = LLM(base + spec)
     assert [o.token_ids for o in llm.generate(prompts)] == plain
     assert llm.engine.spec_worker.stats.num_verify_steps > 0
+
+
+def test_staged_decode_inputs_need_no_copy_and_equal_copied_ones(monkeypatch):
+    """A scheduled decode batch's inputs go from the host straight into the CUDA graph's static buffers
+    (``Scheduler.build_batch`` -> ``ModelRunner.stage``): the forward then copies nothing (no ``StaticInputs.fill``)
+    and gives the logits of the same batch copied in from separate device tensors; a smaller batch staged into the
+    buffers of a larger one (4 requests, then 3, both padded to 4) leaves the dummy row in the tail."""
+    from framework.batch import ForwardMode
+    from framework.graph_inputs import StaticInputs
+    from framework.kv import DUMMY_ROW
+    from tests.test_engine import PROMPTS as TEXTS
+
+    llm = LLM(cuda_overrides("model=tiny_llama", "model.dtype=float32", "compile=reduce_overhead",
+                             "compile.batch_sizes=[1,2,4]", "scheduler.max_running_requests=4"))
+    engine = llm.engine
+    assert engine.runner.stages_inputs and engine.scheduler.stage_inputs is not None
+    fills = []
+    real_fill = StaticInputs.fill
+    monkeypatch.setattr(StaticInputs, "fill", lambda self, *args: fills.append(1) or real_fill(self, *args))
+    for n_reqs in (4, 3):
+        for text in TEXTS[:n_reqs]:
+            engine.submit(engine.make_request({"prompt": text, "max_tokens": 4}))
+        engine.step()  # prefill
+        step = engine.scheduler.schedule()
+        assert step.mode is ForwardMode.DECODE and len(step.reqs) == n_reqs
+        staged = engine.scheduler.build_batch(step)
+        static = engine.runner._static[(ForwardMode.DECODE, 4, 1)]
+        assert static.holds(staged, 1) and static.buffers[3][-1].item() == (DUMMY_ROW if n_reqs < 4 else
+                                                                           staged.req_pool_indices[-1].item())
+        copied = staged.replace(**{name: getattr(staged, name).clone() for name in
+                                   ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                                    "logits_index")})
+        fills.clear()
+        logits, _ = engine.runner.forward(staged)
+        assert not fills  # nothing copied: the inputs were in place
+        again, _ = engine.runner.forward(copied)  # the same token's K/V written again: the same values
+        assert fills and torch.equal(logits, again)
+        engine.scheduler.process(step, logits.argmax(-1).tolist())
+        while engine.has_work():
+            engine.step()
+    engine.allocator.assert_all_free()

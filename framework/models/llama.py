@@ -183,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, logits_index: torch.Tensor,
                 layer_ids: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns logits ``[m, vocab]`` (float32) of the rows ``logits_index`` and the final-norm hidden states
-        ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting)."""
+        ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting). The
+        fused path (compiled, uniform batches) computes every row's logits: there ``logits_index`` is every token in
+        order (ModelRunner pads it so)."""
         x = self.embed_tokens(input_ids)  # [n, hidden]
         rope = rope_at(self.rope_cos, self.rope_sin, positions)
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
@@ -195,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, meta, fused, fused and self.pdl)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
+            torch._check(logits_index.shape[0] == x.shape[0], lambda: "fused lm_head: logits of every row only")
             return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
