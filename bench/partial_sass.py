@@ -7,9 +7,12 @@ numbers: bench/probe_partial_regs.py).
     python bench/partial_sass.py --no-hints     # without the divisibility hints: scalar loads, 255 registers
     python bench/partial_sass.py --q-len 8      # a verify over 8 tokens with the packed tree mask
 
-``--kernel merge | gemv | qkv`` does the same for the split-K merge (a verify's, plain launch), ``tfs::gemv`` with
-a residual (o_proj / down's PDL launch) and ``tfs::qkv_rope_store`` (PDL), printing every global load and store
-(with ``--no-pdl``, from the start): where a load of what the epilogue needs sits against the weight loop.
+``--kernel merge | gemv | qkv | lm_head | gemv_vocab | gate_up`` does the same for the split-K merge (a verify's,
+plain launch), ``tfs::gemv`` with a residual (o_proj / down's PDL launch), ``tfs::qkv_rope_store`` (PDL),
+``tfs::lm_head``, the same product through ``tfs::gemv`` and gate_up's launch (both with the RMSNorm after the
+product), printing every global load and store, shared-memory store / matrix load and barrier (with ``--no-pdl``,
+from the start): where a load of what the epilogue needs sits against the weight loop, and whether the loop
+converts the weight tile's layout through shared memory.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ OTHERS = {
     "lm_head": (_lm_head_kernel, {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "Logits": "*fp32", "Hidden": "*bf16"},
                 dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True,
                      PREFETCH_K=512), 4, 3),
+    # gate_up's launch class ("very_wide") with its RMSNorm after the product, as the 8B decode step launches it
+    "gate_up": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
+                dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
+                     IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=1024, PRELOAD=False), 4, 3),
     "gemv_vocab": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
                    dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, BLOCK_M=1, BLOCK_N=16,
                         BLOCK_K=256, EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512,
@@ -60,7 +67,7 @@ OTHERS = {
             dict(HEADS=32, KV_HEADS=8, HEAD_DIM=128, HALF=64, NORM=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
                  EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
 }
-SHOWN_OTHERS = re.compile(r"LDG|STG|ACQBULK|PREEXIT|BRA|BAR|\.L_")
+SHOWN_OTHERS = re.compile(r"LDG|STG|STS|LDSM|ACQBULK|PREEXIT|BRA|BAR|\.L_")
 SHOWN = re.compile(r"LDG|STG|STS|LDSM|HMMA|BAR|ACQBULK|PREEXIT|CCTL|STL|LDL")
 
 
