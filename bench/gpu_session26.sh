@@ -7,9 +7,12 @@
 #      window at 512 columns / old, A_ROUNDS rounds (default 2), then each log's head / layers / tail
 #   c: tfs::lm_head's launch (vocab class): (16, 256, 4, 3) as on main, (8, 1024, 4, 3) (the LATE_NORM sweep's best
 #      for lm_head's shape in the sixth session) and (8, 512, 4, 3), C_ROUNDS rounds (default 2)
+#   d: each gemv weight-loop iteration prefetching the next chunk into L2 (kernels/gemv.py PREFETCH_NEXT; not in
+#      qkv_rope_store) on / off, D_ROUNDS rounds (default 2), after the lm_head and gemv GPU tests
 #   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, staged inputs,
 #      PDL on / off tokens with the tree verification, the PDL chain)
-# Ran: a with the folded accumulator over 825bc0d (since on branch exp/gemv-fold; old/ = 825bc0d), b and c at 825bc0d.
+# Ran: a with the folded accumulator over 825bc0d (since on branch exp/gemv-fold; old/ = 825bc0d), b and c at 825bc0d,
+# d on branch exp/gemv-prefetch-next (PREFETCH_NEXT exists only there).
 # The session's first lease ran bench/gpu_session25.sh a (A_TESTS=0 A_KNOBS=0 A_ROUNDS=3) at 825bc0d.
 source "$(dirname "$0")/gpu_lease_env.sh"  # set -u, wheels, PYTHONPATH, TFS_TOKENIZER, OUT, gpu_tests, profile_8b
 case "${1:-a}" in
@@ -25,6 +28,13 @@ case "${1:-a}" in
        profile_8b here.log 60 --floor
        profile_8b v8x1024.log 60 --floor --gemv-launch vocab=8,1024,4,3
        profile_8b v8x512.log 60 --floor --gemv-launch vocab=8,512,4,3
+     done
+     for f in "$OUT"/*_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends 2>/dev/null | head -1)"; done ;;
+  d) [ "${D_TESTS:-1}" = 0 ] || gpu_tests gpu_d.log 150 tests/test_kernels_lm_head.py tests/test_kernels_gemv.py \
+       -k "gpu and not fused_decode_same_tokens and not cuda_graphs"
+     for r in $(seq "${D_ROUNDS:-2}"); do  # the next weight chunk prefetched into L2 each iteration: on, off
+       profile_8b next.log 60 --floor
+       profile_8b nonext.log 60 --floor --set kernels.gemv.PREFETCH_NEXT=False
      done
      for f in "$OUT"/*_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends 2>/dev/null | head -1)"; done ;;
   b) gpu_tests gpu_b.log "${B_LIMIT:-500}" tests/test_gpu.py tests/test_kernels_pdl.py \
