@@ -9,6 +9,7 @@
 #      for lm_head's shape in the sixth session) and (8, 512, 4, 3), C_ROUNDS rounds (default 2)
 #   d: each gemv weight-loop iteration prefetching the next chunk into L2 (kernels/gemv.py PREFETCH_NEXT; not in
 #      qkv_rope_store) on / off, D_ROUNDS rounds (default 2), after the lm_head and gemv GPU tests
+#   f: (not run yet) tfs::lm_head's launch (16, 256, 4, 3) (main) against (4, 1024, 4, 3), F_ROUNDS rounds (default 3)
 #   b: the compiled paths' GPU tests (logits against transformers, compiled == eager, spec == plain, staged inputs,
 #      PDL on / off tokens with the tree verification, the PDL chain)
 # Ran: a with the folded accumulator over 825bc0d (since on branch exp/gemv-fold; old/ = 825bc0d), b and c at 825bc0d,
@@ -35,6 +36,11 @@ case "${1:-a}" in
      for r in $(seq "${D_ROUNDS:-2}"); do  # the next weight chunk prefetched into L2 each iteration: on, off
        profile_8b next.log 60 --floor
        profile_8b nonext.log 60 --floor --set kernels.gemv.PREFETCH_NEXT=False
+     done
+     for f in "$OUT"/*_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends 2>/dev/null | head -1)"; done ;;
+  f) for r in $(seq "${F_ROUNDS:-3}"); do  # tfs::lm_head at (4, 1024, 4, 3): main's 72 registers, no layout change
+       profile_8b here.log 60 --floor
+       profile_8b v4x1024.log 60 --floor --gemv-launch vocab=4,1024,4,3
      done
      for f in "$OUT"/*_*.log; do echo "$f: $(python3 bench/layer_times.py "$f" --ends 2>/dev/null | head -1)"; done ;;
   b) gpu_tests gpu_b.log "${B_LIMIT:-500}" tests/test_gpu.py tests/test_kernels_pdl.py \
