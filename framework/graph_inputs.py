@@ -56,6 +56,7 @@ class StaticInputs:
     def __init__(self, padded_bs: int, q_len: int, device: torch.device) -> None:
         self.padded_bs, self.q_len, self.device = padded_bs, q_len, device
         self.dummies: dict[int, list[torch.Tensor]] = {}  # dummy_len -> dummy_inputs for the whole padded batch
+        self.dummies_host: dict[int, list[np.ndarray]] = {}  # dummy_len -> the same on the host, for stage
         n = padded_bs * q_len
         self.sizes = [n, n, n, padded_bs, padded_bs]
         self.starts = [0]
@@ -91,7 +92,9 @@ class StaticInputs:
         returns the real batch's views (:func:`int_inputs`' order, then its logits_index) for its ForwardBatch."""
         bs = len(ints[3])
         cut = [bs * self.q_len] * 3 + [bs] * 2
-        dummies = dummy_inputs_host(self.padded_bs, self.q_len, dummy_len)
+        if dummy_len not in self.dummies_host:
+            self.dummies_host[dummy_len] = dummy_inputs_host(self.padded_bs, self.q_len, dummy_len)
+        dummies = self.dummies_host[dummy_len]
         for a, size, real, dummy, c in zip(self.starts, self.sizes, ints, dummies, cut):
             self.host[a:a + c] = real
             self.host[a + c:a + size] = dummy[c:]

@@ -198,7 +198,7 @@ class ModelRunner:
         valid until the next stage or fill of that shape; None where forwards do not run from static buffers."""
         if not (self.stages_inputs and mode.uniform):
             return None
-        bs = len(ints[3])
+        bs = len(ints[3])  # dummy_len = q_len, as :meth:`pad` has it for a batch without a custom mask
         return self._static_inputs((mode, self.padded_size(bs), q_len)).stage(ints, q_len)
 
     @torch.inference_mode()

@@ -159,7 +159,7 @@ class Scheduler:
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
         staged = None
         if step.mode is ForwardMode.DECODE and self.stage_inputs is not None:  # into the graph's static buffers
-            slots = np.concatenate([self.allocator.slots_host(r.row, s, e) for r, s, e in zip(reqs, starts, ends)])
+            slots = self.allocator.req_to_token_host[rows, positions]  # one token per request: what assign gave
             staged = self.stage_inputs(step.mode, 1, [ids, positions, slots, rows, np.asarray(ends, dtype=np.int64)])
         if staged is not None:
             input_ids, positions_t, out_cache_loc, rows_t, seq_lens, logits_index_t = staged

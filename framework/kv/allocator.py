@@ -104,9 +104,6 @@ class KVAllocator:
         self.req_to_token[packed[0], packed[1]] = packed[2]
         return packed[2]
 
-    def slots_host(self, row: int, start: int, end: int) -> np.ndarray:
-        return self.req_to_token_host[row, start:end]
-
     # ---- invariants -----------------------------------------------------------------------------------
     def assert_all_free(self) -> None:
         """Every page and every request row is back in the free lists (no leak, no double free)."""
