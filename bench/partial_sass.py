@@ -7,12 +7,14 @@ numbers: bench/probe_partial_regs.py).
     python bench/partial_sass.py --no-hints     # without the divisibility hints: scalar loads, 255 registers
     python bench/partial_sass.py --q-len 8      # a verify over 8 tokens with the packed tree mask
 
-``--kernel merge | gemv | qkv | lm_head | gemv_vocab | gate_up`` does the same for the split-K merge (a verify's,
-plain launch), ``tfs::gemv`` with a residual (o_proj / down's PDL launch), ``tfs::qkv_rope_store`` (PDL),
+``--kernel merge | gemv | qkv | lm_head | gemv_vocab | gate_up | down`` does the same for the split-K merge (a
+verify's, plain launch), ``tfs::gemv`` with a residual (o_proj's PDL launch), ``tfs::qkv_rope_store`` (PDL),
 ``tfs::lm_head``, the same product through ``tfs::gemv`` and gate_up's launch (both with the RMSNorm after the
-product), printing every global load and store, shared-memory store / matrix load and barrier (with ``--no-pdl``,
-from the start): where a load of what the epilogue needs sits against the weight loop, and whether the loop
-converts the weight tile's layout through shared memory.
+product) and down_proj's (SiLU-mul, residual), printing every global load and store, shared-memory store / matrix
+load and barrier (with ``--no-pdl``, from the start): where a load of what the epilogue needs sits against the
+weight loop, and whether the loop converts the weight tile's layout through shared memory. ``--launch
+BLOCK_N,BLOCK_K,WARPS,STAGES`` compiles another launch of those kernels; ``--ttgir`` also prints the layout
+conversions Triton inserted (``ttg.convert_layout``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ OTHERS = {
     "gate_up": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
                 dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
                      IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=1024, PRELOAD=False), 4, 3),
+    # down_proj's PDL launch: SiLU-mul of [gate | up] in, the residual added
+    "down": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
+             dict(NORM=False, SILU_MUL=True, HAS_RESIDUAL=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True,
+                  IEEE_DOT=False, LATE_NORM=False, USE_PDL=True, PREFETCH_K=512, PRELOAD=True), 4, 3),
     "gemv_vocab": (_gemv_kernel, {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "NW": "*bf16"},
                    dict(NORM=True, SILU_MUL=False, HAS_RESIDUAL=False, BLOCK_M=1, BLOCK_N=16,
                         BLOCK_K=256, EVEN_K=True, IEEE_DOT=False, LATE_NORM=True, USE_PDL=True, PREFETCH_K=512,
@@ -77,9 +83,17 @@ def main() -> None:
     ap.add_argument("--no-hints", action="store_true", help="compile without the JIT's divisibility hints")
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--kernel", default="partial", choices=["partial", *OTHERS])
+    ap.add_argument("--launch", metavar="BLOCK_N,BLOCK_K,WARPS,STAGES",
+                    help="another launch of a gemv-family kernel (gemv, gate_up, down, lm_head, gemv_vocab, qkv)")
+    ap.add_argument("--ttgir", action="store_true", help="also print the TTGIR's layout conversions")
     args = ap.parse_args()
     if args.kernel != "partial":
         fn, pointers, consts, warps, stages = OTHERS[args.kernel]
+        if args.launch:
+            if "BLOCK_K" not in consts or args.kernel == "merge":
+                ap.error(f"--launch: not for --kernel {args.kernel}")
+            block_n, block_k, warps, stages = (int(v) for v in args.launch.split(","))
+            consts = {**consts, "BLOCK_N": block_n, "BLOCK_K": block_k}
         if "USE_PDL" in consts and args.no_pdl:
             consts = {**consts, "USE_PDL": False, "PRELOAD": False}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32")
@@ -87,9 +101,13 @@ def main() -> None:
         hinted = {n for n in fn.arg_names if n in pointers or n.startswith("stride") or n in ("N", "K", "max_splits")}
         attrs = {} if args.no_hints else {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                                           if n in hinted}
-        show(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)),
-             SHOWN_OTHERS, from_wait=False)
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        if args.ttgir:
+            for line in compiled.asm["ttgir"].splitlines():
+                if "convert_layout" in line:
+                    print(" ".join(line.split())[:160])
+        show(compiled, SHOWN_OTHERS, from_wait=False)
         return
     verify = args.q_len > 1
     consts = dict(Q_LEN=args.q_len, GROUP=4, HEAD_DIM=128, M_BLOCKS=1, BLOCK_M=32 if verify else 16,
