@@ -21,7 +21,7 @@ from kernels.dispatch import interpreter_active
 from tests.conftest import TINY
 from tests.test_attention_sdpa import run_case
 from tests.test_engine import PROMPTS
-from tests.test_kernels_attention import ROOT, run_interpreted
+from tests.kernel_checks import ROOT, run_interpreted
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")

@@ -22,7 +22,7 @@ from kernels.qkv_rope_store import qkv_rope_store
 from kernels.rope_store import rope_store_kv
 from kernels.split_kv_attention import split_policy
 from kernels.verify_attention import verify_attention
-from tests.test_kernels_attention import paged_table, random_pool, tree_mask
+from tests.kernel_checks import paged_table, random_pool, tree_mask
 from tests.test_kernels_gemv import gemv_args
 from tests.test_kernels_rope_store import rope_args
 

@@ -15,7 +15,7 @@ from kernels.dispatch import interpreter_active
 from kernels.gemv import gemv
 from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies, qkv_rope_store_reference
 from kernels.rope_store import rope_store_kv
-from tests.test_kernels_attention import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 from tests.test_kernels_rope_store import rope_args
 
 INTERPRETED = interpreter_active()

@@ -15,7 +15,7 @@ import torch
 
 from kernels.dispatch import interpreter_active
 from kernels.rope_store import rope_store_kv, rope_store_kv_reference
-from tests.test_kernels_attention import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")

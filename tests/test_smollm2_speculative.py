@@ -12,7 +12,7 @@ import torch
 
 from framework import LLM
 from kernels.dispatch import interpreter_active
-from tests.test_kernels_attention import run_interpreted
+from tests.kernel_checks import run_interpreted
 from tests.test_smollm2_golden import CHATS
 
 pytestmark = pytest.mark.slow
