@@ -2,7 +2,7 @@
 
 The unfused tail of a decode step is three kernels after the last layer: the final norm of every row (and the pick
 of the logits' rows), the lm_head's product, and the conversion of the logits to float32. This kernel is
-``tfs::gemv``'s (:func:`kernels.gemv.gemv_tile`) over every row of x (the logits of every token: what a uniform
+``tfs::gemv``'s (:func:`kernels.gemv_tile.gemv_tile`) over every row of x (the logits of every token: what a uniform
 batch asks for) with the RMSNorm fused in (for one row after the product, as ``LATE_NORM`` does everywhere),
 storing float32 logits rounded to the weight's dtype first, as ``.float()`` of the unfused product gives them;
 programs ``p < m`` also write row ``p`` of the hidden states, ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
@@ -20,7 +20,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_prologue, gemv_tile, launch_params, pdl_options
+from kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options
+from kernels.gemv_tile import gemv_prologue, gemv_tile
 from kernels.pdl import HAS_GDC
 
 

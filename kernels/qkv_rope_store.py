@@ -2,7 +2,7 @@
 kernel for a decode-sized batch: ``tfs::gemv`` followed by ``tfs::rope_store_kv`` without the second launch.
 
 Each program computes ``BLOCK_N`` columns of the projection for all rows (the gemv's main loop,
-:func:`kernels.gemv.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
+:func:`kernels.gemv_tile.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
 columns of one head's first half and their partners ``HALF`` columns later. The epilogue rounds the projection to
 the weight's dtype (as ``tfs::gemv`` stores it), rotates q and k heads in float32 at each row's position, and writes
 q to the returned tensor, k and v to their slots of the caches: the roundings of the two kernels (the compiler may
@@ -19,7 +19,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_prologue, gemv_reference, gemv_tile, launch_params, pdl_options
+from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options
+from kernels.gemv_tile import gemv_prologue, gemv_tile
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
 
