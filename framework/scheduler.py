@@ -101,16 +101,37 @@ class Scheduler:
     def schedule(self) -> Optional[ScheduledStep]:
         """Pick the next forward: EXTEND if prompt tokens are pending or a waiting request fits, else DECODE for
         every prefilled request, preempting the newest requests when the pool cannot hold their next step."""
+        step = self._extend()
+        if step is not None:
+            return step
+        decoding = [r for r in self.running if r.prefilled]
+        # preempt the newest while the decode step's pages do not fit, or while nothing can run at all (chunked
+        # prefills holding the pages each other need)
+        while len(self.running) > 1 and (not decoding or self._step_pages(decoding) > self.allocator.num_free_pages):
+            victim = self.running[-1]  # the newest
+            self.preempt(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+        if not decoding:
+            return self._extend() if self.running else None  # a lone chunked prefill: the pool holds all of it
+        return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding), [True] * len(decoding))
+
+    def _extend(self) -> Optional[ScheduledStep]:
+        """The next prefill chunks (continued ones first, then newly admitted requests), or None."""
         budget = self.cfg.max_prefill_tokens
         reqs, lens, samples = [], [], []
-        for req in self.running:  # continue chunked prefills first
+        # free pages, less what the prefilled requests' next decode (or verify) step needs
+        free = self.allocator.num_free_pages - self._step_pages([r for r in self.running if r.prefilled])
+        for req in self.running:  # continue chunked prefills first, as far as the free pages reach
             if not req.prefilled and budget > 0:
-                n = min(req.prefill_target - req.kv_len, budget)
+                room = (self.allocator.num_pages_of(req.row) + max(free, 0)) * self.allocator.page_size - req.kv_len
+                n = min(req.prefill_target - req.kv_len, budget, room)
+                if n <= 0:
+                    continue
+                free -= self._pages_for_next(req, n)
                 reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
                 budget -= n
         # admission: the new prompt's pages must fit next to what running requests need for their next step
-        free = (self.allocator.num_free_pages - self._step_pages([r for r in self.running if r.prefilled])
-                - sum(self._pages_for_next(r, n) for r, n in zip(reqs, lens)))
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             n = min(req.prefill_target, budget)
@@ -123,17 +144,7 @@ class Scheduler:
             self.running.append(req)
             reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
-        if reqs:
-            return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples)
-        decoding = [r for r in self.running if r.prefilled]
-        while len(self.running) > 1 and self._step_pages(decoding) > self.allocator.num_free_pages:
-            victim = self.running[-1]  # the newest
-            self.preempt(victim)
-            if victim in decoding:
-                decoding.remove(victim)
-        if not decoding:
-            return None
-        return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding), [True] * len(decoding))
+        return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples) if reqs else None
 
     @staticmethod
     def _samples(req: Request, n: int) -> bool:

@@ -137,6 +137,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm, solo):
     assert other_seed != alone
 
 
+def test_temperature_below_the_float_range_is_greedy(tiny_llm, solo_outputs):
+    # logits / 1e-40 overflow float32 (NaN probabilities): such temperatures are treated as 0
+    out = tiny_llm.generate([{"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 1e-40, "seed": 1}])[0]
+    assert out.token_ids == solo_outputs[0]
+
+
 def test_chat_messages_use_the_template(tiny_llm):
     msgs = [{"role": "user", "content": "Hi there"}]
     text = tiny_llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -154,3 +160,24 @@ def test_preemption_loses_nothing(solo_outputs, spec):
     outs = llm.generate(reqs())
     assert [o.token_ids for o in outs] == solo_outputs
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("spec", [[], ["speculative=ngram", "speculative.num_steps=3"]])
+def test_chunked_prefill_in_a_small_pool_loses_nothing(solo_outputs, spec):
+    """Chunks continue only as far as the free pages reach, and when no request can run the newest is preempted:
+    a continued chunk once asked for pages that decoding requests held, and the step failed."""
+    llm = LLM(TINY + spec + ["scheduler.max_context=96", "kv.max_total_tokens=112", "kv.page_size=4",
+                             "scheduler.max_prefill_tokens=8"])
+    outs = llm.generate(reqs())
+    assert [o.token_ids for o in outs] == solo_outputs
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_chunked_prefills_that_block_each_other_make_progress():
+    """Two chunked prompts that together fill a pool of one full request: the newer one is preempted."""
+    llm = LLM(TINY + ["scheduler.max_context=128", "kv.max_total_tokens=128", "kv.page_size=16",
+                      "scheduler.max_prefill_tokens=64", "scheduler.max_running_requests=4"])
+    items = [{"prompt": "word " * 59, "max_tokens": 20, "ignore_eos": True},
+             {"prompt": "word " * 99, "max_tokens": 20, "ignore_eos": True}]
+    solo = LLM(TINY + ["scheduler.max_running_requests=1"])
+    assert [o.token_ids for o in llm.generate(items)] == [o.token_ids for o in solo.generate(items)]
