@@ -7,7 +7,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -183,6 +185,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n", "n=2 is not supported"),
     ("/v1/completions", {"prompt": "a", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "a", "ignore_eos": "false"}, "ignore_eos", "expected true or false"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [True]}, "stop_token_ids", "a list of integers"),
+    ("/v1/completions", {"prompt": "a", "temperature": 10**400}, "temperature", "... (401 characters)"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": 1e999}', "temperature", "temperature=inf is not allowed"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, None, "nested too deeply"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens",
+     "max_completion_tokens=-1 is not allowed"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, "max_completion_tokens",
+     "max_completion_tokens=5000 is too large"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
 ]
 
 
@@ -259,6 +273,41 @@ def test_client_gone_before_a_non_streamed_answer_aborts(server):
     assert len(loop.abort_log) == aborts + 1 and loop.abort_log[-1].rid.startswith("chatcmpl-")
     assert loop.abort_log[-1].num_output_tokens < 900
     loop.engine.allocator.assert_all_free()
+
+
+def test_slow_tokenization_does_not_hold_up_generation(server, client, monkeypatch):
+    """Prompts are tokenized off the engine thread: a request still being tokenized (a huge prompt, here one
+    whose tokenization waits on an event) does not stop a running request from generating to its end."""
+    wait_idle(server)
+    engine, started, release = server.loop.engine, threading.Event(), threading.Event()
+    make_request = engine.make_request
+
+    def slow(item, rid=None):
+        if item.get("prompt") == "slow":
+            started.set()
+            release.wait(60)
+        return make_request(item, rid=rid)
+
+    monkeypatch.setattr(engine, "make_request", slow)
+    step = engine.step  # paced, so that the long request is still running when the slow one arrives
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.005), step())[1])
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=300,
+                              extra_body={"ignore_eos": True})
+        while not server.loop._live:  # the long request is generating
+            assert not running.done(), running.result()
+            time.sleep(0.01)
+        waiting = pool.submit(client.completions.create, model=MODEL, prompt="slow", max_tokens=2)
+        assert started.wait(30)
+        try:
+            assert any(len(live.request.output_ids) < 300 for live in list(server.loop._live.values()))
+            assert running.result(timeout=60).usage.completion_tokens == 300
+            assert not waiting.done()
+        finally:
+            release.set()
+        assert waiting.result(timeout=60).usage.completion_tokens == 2
+    wait_idle(server)
+    engine.allocator.assert_all_free()
 
 
 def _thread_cpu_ticks(native_id: int) -> int:

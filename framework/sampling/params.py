@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -11,6 +12,10 @@ from framework.config import SamplingConfig
 
 class RequestError(ValueError):
     """A bad request (prompt or sampling field); ``str(err)`` is one line naming the field and what is allowed."""
+
+
+# below this a temperature's logits / temperature overflow float32: such requests are greedy (vLLM does the same)
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -37,14 +42,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> RequestError:
-            return RequestError(f"{name}={value!r} is not allowed; expected {allowed}")
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+            return RequestError(f"{name}={shown} is not allowed; expected {allowed}")
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise bad("max_tokens", self.max_tokens, "an integer > 0")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "a number >= 0")
+            raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", self.top_p, "a number in (0, 1]")
+            raise bad("top_p", self.top_p, "a finite number in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", self.top_k, "0 or -1 (off) or an integer >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -53,11 +60,14 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "a string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "true or false")
         if self.top_k == -1:
             self.top_k = 0
-        self.temperature = float(self.temperature)
+        self.temperature = float(self.temperature) if self.temperature >= MIN_TEMPERATURE else 0.0
         self.top_p = float(self.top_p)
 
     def resolved_seed(self) -> int:
@@ -66,4 +76,10 @@ class SamplingParams:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (not a bool, NaN, infinity, or an int too large for a float)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from framework.config import SamplingConfig
 from framework.server import protocol, responses
@@ -75,13 +76,16 @@ def create_app(loop: EngineLoop, served_model: str, sampling_defaults: SamplingC
         return model_card()
 
     async def handle(request: Request, parse: Callable[..., ParsedRequest], prefix: str) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         try:
             parsed = parse(protocol.parse_json(await request.body()), served_model, sampling_defaults)
+            prepared = await loop.prepare(rid, parsed)
+        except ClientDisconnect:  # gone before its body arrived: nobody reads an answer
+            return Response(status_code=499)
         except APIError as err:
             loop.metrics.on_reject(err.status)
             raise
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        events = loop.submit(rid, parsed)
+        events = loop.submit(rid, parsed, prepared)
         if parsed.stream:
             try:
                 first = await events.get()

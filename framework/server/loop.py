@@ -1,7 +1,8 @@
 """The engine loop: one thread that owns the Engine and serves every HTTP request through it.
 
-HTTP handlers (on the asyncio event loop) put commands on a thread-safe queue: submit a request, abort one.
-The loop thread takes all queued commands, runs one ``engine.step()`` (continuous batching across HTTP
+HTTP handlers (on the asyncio event loop) validate and tokenize a request on a tokenizer thread
+(:meth:`EngineLoop.prepare`), so a long prompt never holds up the engine, then put commands on a thread-safe
+queue: submit a prepared request, abort one. The loop thread takes all queued commands, runs one ``engine.step()`` (continuous batching across HTTP
 requests), and hands each live request's news (text deltas, the finish, errors) back to its ``asyncio.Queue``
 with ``call_soon_threadsafe``: one call per event loop per iteration. With no work it blocks on the queue.
 
@@ -17,6 +18,7 @@ import collections
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -55,6 +57,7 @@ class AbortRecord:
 class _Submission:
     rid: str
     parsed: ParsedRequest
+    request: Request
     events: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
 
@@ -96,6 +99,8 @@ class EngineLoop:
         self._dead = False
         self._startup_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # NOTE: one thread, so the tokenizer's Python-side state is never used by two encodes at once
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- control (any thread) -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,6 +115,7 @@ class EngineLoop:
         if self._thread.is_alive():
             self._commands.put(("stop", None))
             self._thread.join(timeout)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -120,10 +126,33 @@ class EngineLoop:
         return self.engine.max_context
 
     # ---- requests (the asyncio event loop) ----------------------------------------------------------------
-    def submit(self, rid: str, parsed: ParsedRequest) -> asyncio.Queue:
-        """Queue a request; its events arrive on the returned queue, the first being "accepted" or "error"."""
+    async def prepare(self, rid: str, parsed: ParsedRequest) -> Request:
+        """Tokenize and validate a request on the tokenizer thread (it reads only the engine's tokenizer and
+        config); raises :class:`APIError` (400) naming the bad field."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare, rid, parsed)
+
+    def _prepare(self, rid: str, parsed: ParsedRequest) -> Request:
+        engine = self.engine
+        try:
+            req = engine.make_request(parsed.item, rid=rid)
+        except RequestError as err:
+            raise APIError(str(err), param=param_of(str(err), parsed.prompt_field)) from None
+        except Exception as err:  # noqa: BLE001 - e.g. a chat template that refuses the messages
+            log.exception("could not prepare request %s", rid)
+            raise APIError(f"could not prepare the request: {err}", param=parsed.prompt_field) from None
+        limit, num_prompt = parsed.max_tokens, len(req.prompt_ids)
+        if limit is not None and num_prompt + limit > engine.max_context:
+            name = parsed.max_tokens_field
+            raise APIError(f"{name}={limit} is too large: the prompt has {num_prompt} tokens and the context "
+                           f"window is {engine.max_context} tokens, so {name} can be at most "
+                           f"{engine.max_context - num_prompt}", param=name)
+        return req
+
+    def submit(self, rid: str, parsed: ParsedRequest, request: Request) -> asyncio.Queue:
+        """Queue a prepared request; its events arrive on the returned queue, the first being "accepted" or
+        "error"."""
         events: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("submit", _Submission(rid, parsed, events, asyncio.get_running_loop())))
+        self._commands.put(("submit", _Submission(rid, parsed, request, events, asyncio.get_running_loop())))
         if self._dead:  # NOTE: set before the loop's last drain, so a command put after that drain is seen here
             raise APIError("the engine loop is not running", status=503, type="server_error")
         return events
@@ -171,32 +200,11 @@ class EngineLoop:
                 self._abort(*payload)
 
     def _admit(self, sub: _Submission) -> None:
-        engine = self.engine
-        try:
-            req = engine.make_request(sub.parsed.item, rid=sub.rid)
-            limit, num_prompt = sub.parsed.max_tokens, len(req.prompt_ids)
-            if limit is not None and num_prompt + limit > engine.max_context:
-                raise APIError(f"max_tokens={limit} is too large: the prompt has {num_prompt} tokens and the "
-                               f"context window is {engine.max_context} tokens, so max_tokens can be at most "
-                               f"{engine.max_context - num_prompt}", param="max_tokens")
-        except RequestError as err:
-            self._reject(sub, APIError(str(err), param=param_of(str(err), sub.parsed.prompt_field)))
-            return
-        except APIError as err:
-            self._reject(sub, err)
-            return
-        except Exception as err:  # noqa: BLE001 - e.g. a chat template that refuses the messages
-            log.exception("could not prepare request %s", sub.rid)
-            self._reject(sub, APIError(f"could not prepare the request: {err}", param=sub.parsed.prompt_field))
-            return
-        engine.submit(req)
+        req = sub.request
+        self.engine.submit(req)
         self._live[sub.rid] = _Live(sub, req, TextDeltas(req.params.stop) if sub.parsed.stream else None)
         self.metrics.on_accept(len(req.prompt_ids))
         self._outbox.add(sub, Event("accepted", prompt_tokens=len(req.prompt_ids)))
-
-    def _reject(self, sub: _Submission, error: APIError) -> None:
-        self.metrics.on_reject(error.status)
-        self._outbox.add(sub, Event("error", error=error))
 
     def _abort(self, rid: str, requested_at_step: int) -> None:
         live = self._live.pop(rid, None)

@@ -35,7 +35,8 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "tools": (None, []), "functions": (None, []),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -49,6 +50,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens: Optional[int]  # as the client gave it (None: the config's default, clamped to the context)
+    max_tokens_field: str = "max_tokens"  # the name the client used for it (chat: or "max_completion_tokens")
 
     @property
     def prompt_field(self) -> str:
@@ -64,6 +66,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError(f"the request body is not valid JSON ({where})") from None
     except UnicodeDecodeError:
         raise APIError("the request body is not valid UTF-8 JSON") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")
     return body
@@ -106,8 +110,9 @@ def parse_chat(body: dict[str, Any], served_model: str, defaults: SamplingConfig
         raise APIError(f"messages must be a non-empty list of {{\"role\": str, \"content\": str}}, got "
                        f"{_json_type(messages)}", param="messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+    if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
         body = dict(body, max_tokens=body["max_completion_tokens"])
+        return _parse_common(body, "chat", {"messages": plain}, served_model, defaults, "max_completion_tokens")
     return _parse_common(body, "chat", {"messages": plain}, served_model, defaults)
 
 
@@ -132,7 +137,7 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
 
 
 def _parse_common(body: dict[str, Any], kind: str, item: dict[str, Any], served_model: str,
-                  defaults: SamplingConfig) -> ParsedRequest:
+                  defaults: SamplingConfig, max_tokens_field: str = "max_tokens") -> ParsedRequest:
     model = body.get("model")
     if model is not None and model != served_model:
         shown = model if isinstance(model, str) else _json_type(model)
@@ -162,10 +167,13 @@ def _parse_common(body: dict[str, Any], kind: str, item: dict[str, Any], served_
     try:
         SamplingParams.from_request(defaults, dict(item))
     except RequestError as err:
-        raise APIError(str(err), param=param_of(str(err), "messages" if kind == "chat" else "prompt")) from None
+        message, param = str(err), param_of(str(err), "messages" if kind == "chat" else "prompt")
+        if param == "max_tokens":
+            message, param = max_tokens_field + message[len("max_tokens"):], max_tokens_field
+        raise APIError(message, param=param) from None
     return ParsedRequest(kind=kind, item=item, model=served_model, stream=bool(stream),
                          include_usage=bool(options and options.get("include_usage")),
-                         max_tokens=item.get("max_tokens"))
+                         max_tokens=item.get("max_tokens"), max_tokens_field=max_tokens_field)
 
 
 def _json_type(value: Any) -> str:
