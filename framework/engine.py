@@ -29,7 +29,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is available")
+        raise ConfigError("model.device='cuda' is not allowed here: no CUDA device is available (use auto or cpu)")
     return torch.device(name)
 
 
@@ -137,13 +137,13 @@ class Engine:
                     isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
                     for m in messages):
                 raise RequestError("messages must be a non-empty list of {\"role\": str, \"content\": str}")
-            ids = encode_prompt(self.tokenizer, messages=messages)
+            ids = self._encode("messages", messages=messages)
         elif prompt is not None:
             if not isinstance(prompt, str):
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
                 raise RequestError("prompt is empty")
-            ids = encode_prompt(self.tokenizer, prompt=prompt)
+            ids = self._encode("prompt", prompt=prompt)
         else:
             raise RequestError("request has neither 'prompt' nor 'messages'")
         if not ids:
@@ -155,6 +155,22 @@ class Engine:
         max_new = min(params.max_tokens, self.max_context - len(ids))
         return Request(rid=item.get("id", rid) if rid is None else rid, prompt_ids=ids, params=params,
                        seed=params.resolved_seed(), max_new_tokens=max_new)
+
+    def _encode(self, field: str, **text: Any) -> list[int]:
+        """encode_prompt, with any failure (text that is not valid Unicode, a chat template that refuses the
+        messages) as a one-line :class:`RequestError` naming ``field``."""
+        strings = [text["prompt"]] if "prompt" in text else [v for m in text["messages"] for v in m.values()]
+        for value in strings:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(f"{field} is not valid Unicode text: {value[err.start]!r} (a lone surrogate) at "
+                                   f"character {err.start}") from None
+        try:
+            return encode_prompt(self.tokenizer, **text)
+        except Exception as err:  # noqa: BLE001 - the tokenizer's and template's errors have no common type
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise RequestError(f"{field} cannot be tokenized: {reason}") from None
 
     def submit(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -48,10 +48,16 @@ def test_defaults():
     ("compile.pdl=yes", "compile.pdl='yes' is not allowed; choose one of: auto, on, off"),
     ("model.dtype=int8", "model.dtype"),
     ("scheduler.max_running_requests=0", "scheduler.max_running_requests"),
+    ("sampling.seed=18446744073709551616", "sampling.seed=18446744073709551616 is not allowed"),
+    ("sampling.top_k=100000000000000000000", "fits in 64 bits"),
+    ("sampling.stop=['']", "sampling.stop=[''] is not allowed"),
+    ("model.arch.head_dim=-1", "model.arch.head_dim=-1 is not allowed"),
+    ("model.arch.max_position_embeddings=0", "model.arch.max_position_embeddings=0"),
+    ("speculative=ngram speculative.ngram_max=0", "speculative.ngram_max=0 is not allowed"),
 ])
 def test_bad_values_name_key_and_allowed(override, needle):
     with pytest.raises(ConfigError) as err:
-        compose([override])
+        compose(override.split(" "))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.schema import Config, register_schemas
+from framework.config.schema import Config, ModelConfig, register_schemas
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -74,6 +74,9 @@ def validate(config: Config) -> None:
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         _check(f"model.arch.{key}", getattr(a, key), getattr(a, key) > 0, "an integer > 0")
     _check("model.arch.num_kv_heads", a.num_kv_heads, a.num_heads % a.num_kv_heads == 0, "a divisor of num_heads")
+    _check("model.arch.head_dim", a.head_dim, a.head_dim >= 0, "0 (hidden_size // num_heads) or an integer > 0")
+    _check("model.arch.max_position_embeddings", a.max_position_embeddings, a.max_position_embeddings >= 2,
+           "an integer >= 2")
     _choice("attention.name", config.attention.name, ATTENTION_BACKENDS.names())
     kv = config.kv
     _check("kv.page_size", kv.page_size, kv.page_size >= 1, "an integer >= 1")
@@ -83,11 +86,7 @@ def validate(config: Config) -> None:
     _choice("compile.pdl", c.pdl, ["auto", "on", "off"])
     _check("compile.batch_sizes", c.batch_sizes, len(c.batch_sizes) > 0 and all(b >= 1 for b in c.batch_sizes),
            "a non-empty list of integers >= 1")
-    s = config.sampling
-    _check("sampling.max_tokens", s.max_tokens, s.max_tokens > 0, "an integer > 0")
-    _check("sampling.temperature", s.temperature, s.temperature >= 0, "a number >= 0")
-    _check("sampling.top_p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]")
-    _check("sampling.top_k", s.top_k, s.top_k >= -1, "0 or -1 (off) or an integer >= 1")
+    validate_sampling(config)
     validate_speculative(config)
     sc = config.scheduler
     _check("scheduler.max_running_requests", sc.max_running_requests, sc.max_running_requests >= 1, "an integer >= 1")
@@ -95,6 +94,16 @@ def validate(config: Config) -> None:
     _check("scheduler.max_prefill_tokens", sc.max_prefill_tokens, sc.max_prefill_tokens >= 1, "an integer >= 1")
     _choice("run.name", config.run.name, JOBS.names())
     _choice("log_level", config.log_level, ["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def validate_sampling(config: Config) -> None:
+    """The sampling defaults, checked as every request's fields are (a default no request could use fails here)."""
+    from framework.sampling import RequestError, SamplingParams
+
+    try:
+        SamplingParams.from_request(config.sampling, {})
+    except RequestError as err:
+        raise ConfigError(f"sampling.{err}") from None
 
 
 def validate_speculative(config: Config) -> None:
@@ -116,6 +125,7 @@ def validate_speculative(config: Config) -> None:
         most = sp.topk + (sp.num_steps - 1) * sp.topk * sp.topk + 1  # root + every candidate a tree build makes
         _check("speculative.num_draft_tokens", sp.num_draft_tokens,
                sp.num_steps + 1 <= sp.num_draft_tokens <= most, f"an integer in [{sp.num_steps + 1}, {most}]")
+    _check("speculative.ngram_max", sp.ngram_max, sp.ngram_max >= 1, "an integer >= 1")
     _check("speculative.ngram_min", sp.ngram_min, 1 <= sp.ngram_min <= sp.ngram_max, "1 <= ngram_min <= ngram_max")
     _check("speculative.exit_layer", sp.exit_layer, sp.exit_layer >= 0, "0 (default) or a layer count >= 1")
     if sp.name == "draft_model":
@@ -123,10 +133,8 @@ def validate_speculative(config: Config) -> None:
         _choice("speculative.draft_model", sp.draft_model, sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
 
 
-def model_option(name: str) -> "ModelConfig":
+def model_option(name: str) -> ModelConfig:
     """The ModelConfig of ``conf/model/<name>.yaml`` (for a draft model), validated like the main model's."""
-    from framework.config.schema import ModelConfig
-
     node = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
     node.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)

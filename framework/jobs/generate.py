@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from framework.config import Config
+from framework.config import Config, ConfigError
 from framework.jobs import JOBS
+from framework.sampling import SamplingParams
 from framework.request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -22,18 +23,54 @@ SAMPLE_PROMPTS: list[dict[str, Any]] = [
 ]
 
 
+REQUEST_FIELDS = ("id", "prompt", "messages") + SamplingParams.FIELDS
+
+
 def read_prompts(path: str) -> list[dict[str, Any] | str]:
-    """One entry per non-blank line: the parsed object, or a one-line error string for a malformed line."""
+    """One entry per non-blank line: the parsed object, or a one-line error string for a bad line (not UTF-8,
+    malformed JSON, not an object). Unknown fields are ignored with one warning per field name."""
     items: list[dict[str, Any] | str] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    unknown: set[str] = set()
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                items.append(f"line {lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
-                items.append(json.loads(line))
+                item = json.loads(line)
             except json.JSONDecodeError as err:
                 items.append(f"line {lineno}: malformed JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(item, dict):
+                items.append(f"line {lineno}: a request must be a JSON object, got {type(item).__name__}")
+                continue
+            for key in sorted(set(item) - set(REQUEST_FIELDS) - unknown):
+                log.warning("line %d: ignoring the unknown field %r (request fields: %s)", lineno, key,
+                            ", ".join(REQUEST_FIELDS))
+                unknown.add(key)
+            items.append(item)
     return items
+
+
+def check_paths(run: Any) -> None:
+    """Fail before the model loads, with one line, when the prompts cannot be read or an output cannot be
+    written (rather than after generating everything)."""
+    if run.prompts_file and not Path(run.prompts_file).is_file():
+        raise ConfigError(f"run.prompts_file={run.prompts_file!r} is not allowed; expected an existing file")
+    for key in ("output_file", "metrics_file"):
+        path = getattr(run, key)
+        if not path:
+            continue
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8"):  # NOTE: "a" proves it writable without emptying it yet
+                pass
+        except OSError as err:
+            raise ConfigError(f"run.{key}={path!r} cannot be written: {err.strerror or err}") from None
 
 
 def generate_items(engine, items: list[dict[str, Any] | str], progress: bool) -> list[RequestOutput]:
@@ -81,13 +118,13 @@ def hydra_job_dir() -> Path | None:
 def run_generate(config: Config) -> int:
     from framework.engine import Engine
 
-    engine = Engine(config)
     run = config.run
+    check_paths(run)
+    engine = Engine(config)
     items: list[dict[str, Any] | str] = read_prompts(run.prompts_file) if run.prompts_file else list(SAMPLE_PROMPTS)
     outputs = generate_items(engine, items, run.progress)
-    if run.output_file:
-        Path(run.output_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(run.output_file, "w", encoding="utf-8") as fh:
+    if run.output_file:  # NOTE: backslashreplace: an id holding a lone surrogate must not lose the whole file
+        with open(run.output_file, "w", encoding="utf-8", errors="backslashreplace") as fh:
             for out in outputs:
                 fh.write(json.dumps(out.to_json(), ensure_ascii=False) + "\n")
     elif not run.prompts_file:

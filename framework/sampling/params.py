@@ -52,10 +52,12 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "a finite number in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "0 or -1 (off) or an integer >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", self.seed, "an integer")
+        # NOTE: top_k and seed become int64 tensors: a larger value would fail the whole batch's step
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**63:
+            raise bad("top_k", self.top_k, "0 or -1 (off) or an integer >= 1 that fits in 64 bits")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "an integer that fits in 64 bits")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

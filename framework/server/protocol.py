@@ -160,10 +160,6 @@ def _parse_common(body: dict[str, Any], kind: str, item: dict[str, Any], served_
         raise APIError(f"stream_options={options!r} is not allowed; expected {{\"include_usage\": bool}}",
                        param="stream_options")
     item.update({k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
-    for name in ("seed", "top_k"):  # NOTE: they become int64 tensors; an overflow there would fail the whole step
-        value = item.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
-            raise APIError(f"{name}={value} is not allowed; expected an integer that fits in 64 bits", param=name)
     try:
         SamplingParams.from_request(defaults, dict(item))
     except RequestError as err:
