@@ -14,13 +14,22 @@ import numpy as np
 import torch
 
 from framework.batch import ForwardBatch, ForwardMode
-from framework.config import ConfigError, SpeculativeConfig
+from framework.config import ConfigError, ModelConfig, SpeculativeConfig
 from framework.config.load import model_option
-from framework.models.loader import load_model
+from framework.models.loader import gguf_args, hf_args, load_model, model_file
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
 from framework.speculative.model_drafter import ModelDrafter
 from framework.tokenizer import tokenizer_path
+
+
+def draft_vocab_size(mcfg: ModelConfig) -> int:
+    """The vocabulary size of the model ``mcfg`` describes, read from its config or its file's header only."""
+    if mcfg.source in ("gguf", "gguf_package"):
+        return gguf_args(model_file(mcfg)).vocab_size
+    if mcfg.source == "hf":
+        return hf_args(model_file(mcfg)).vocab_size
+    return mcfg.arch.vocab_size
 
 
 @DRAFTERS.register("draft_model")
@@ -33,11 +42,13 @@ class DraftModelDrafter(ModelDrafter):
         if tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
             raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; its tokenizer differs "
                               f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
+        # NOTE: checked before loading: a mismatched draft can be far larger than the target (an 8B-shaped one)
+        vocab_size = draft_vocab_size(mcfg)
+        if vocab_size != engine.model.args.vocab_size:
+            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
+                              f"{vocab_size} != the target's {engine.model.args.vocab_size}")
         self.model = load_model(mcfg, engine.dtype, engine.device)
         self.model.fused_decode = engine.model.fused_decode  # model.fused_decode applies to both models
-        if self.model.args.vocab_size != engine.model.args.vocab_size:
-            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
-                              f"{self.model.args.vocab_size} != the target's {engine.model.args.vocab_size}")
         a = self.model.args
         self.own_runner(self.model, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
 
