@@ -84,10 +84,12 @@ class Engine:
         self.model = load_model(config.model, self.dtype, self.device)
         args = self.model.args
         sc, spec = config.scheduler, config.speculative
-        # NOTE: speculation writes up to spec_width positions past a request's committed length, so the context
-        # window leaves room for them inside the model's positions and the req_to_token table is that much wider
+        # NOTE: speculation writes up to spec_width positions past a request's committed length, so the
+        # req_to_token rows and the rope tables are that much longer; draft nodes past the context window only
+        # lead to tokens past max_new_tokens, which are discarded, so the window itself is the same as without
         self.spec_width = spec_kv_width(spec) if spec.name != "none" else 0
-        self.max_context = min(sc.max_context, args.max_position_embeddings - self.spec_width)
+        self.max_context = min(sc.max_context, args.max_position_embeddings)
+        self.model.init_rope(self.max_context + self.spec_width)
         num_tokens = config.kv.max_total_tokens or sc.max_running_requests * (self.max_context + self.spec_width)
         if num_tokens < self.max_context + self.spec_width:
             raise ConfigError(f"kv.max_total_tokens={num_tokens} is not allowed; one full-length request needs "

@@ -82,3 +82,35 @@ def test_compiled_speculation_equals_eager(reference, drafter):
                           "scheduler.max_running_requests=8", "speculative.topk=4",
                           "speculative.num_draft_tokens=8"] + DRAFTERS[drafter])
     assert [o.token_ids for o in llm.generate(items())] == reference
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_seeded_request_does_not_depend_on_drafting_neighbours(topk):
+    """A seeded sampled request that ngram cannot draft for runs plain steps alone, and root-only verify steps
+    next to a greedy request that drafts: the two must draw the same tokens (the root's residual draw once used
+    its own salt, and the outputs parted at the first step)."""
+    tree = [f"speculative.topk={topk}", "speculative.num_draft_tokens=8"] if topk > 1 else []
+    llm = LLM(TINY + DRAFTERS["ngram"] + tree + ["scheduler.max_running_requests=4"])
+    sampled = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0.8, "seed": 1234}
+    drafting = {"prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 30}
+    alone = llm.generate([sampled])[0].token_ids
+    together = llm.generate([drafting, sampled])
+    assert together[1].token_ids == alone
+    assert together[0].spec["mean_accept_len"] > 1  # the neighbour really drafted
+
+
+@pytest.mark.parametrize("spec", [DRAFTERS["ngram"] + ["speculative.topk=4", "speculative.num_draft_tokens=8"],
+                                  DRAFTERS["layer_skip"], DRAFTERS["eagle"]], ids=["ngram-tree", "layer_skip", "eagle"])
+def test_context_window_is_the_same_with_speculation(spec):
+    """When the model's own window (max_position_embeddings) binds, speculation once shortened it by the tree's
+    width: fewer tokens, and prompts near the end refused. Draft nodes past the window lead only to discarded
+    tokens; the rope table covers their positions."""
+    window = ["model.arch.max_position_embeddings=64", "scheduler.max_running_requests=4", "kv.page_size=4"]
+    plain = LLM(TINY + window)
+    ids = plain.tokenizer("a b c d " * 40)["input_ids"]
+    reqs = [{"prompt": plain.tokenizer.decode(ids[:n]), "max_tokens": 48} for n in (40, 56, 60, 63)]
+    expected = [(o.token_ids, o.finish_reason) for o in plain.generate(reqs)]
+    assert [len(t) for t, _ in expected] == [24, 8, 4, 1]
+    llm = LLM(TINY + window + spec)
+    assert [(o.token_ids, o.finish_reason) for o in llm.generate(reqs)] == expected
+    llm.engine.allocator.assert_all_free()

@@ -169,9 +169,12 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_cos.device.type != "meta":
             self.init_rope()
 
-    def init_rope(self) -> None:
-        """Fill the float32 rope tables ``[max_pos, head_dim // 2]`` (after allocation on a real device)."""
-        positions = torch.arange(self.args.max_position_embeddings, dtype=torch.float32)
+    def init_rope(self, num_positions: int = 0) -> None:
+        """Fill the float32 rope tables ``[num_positions, head_dim // 2]`` (after allocation on a real device);
+        at least ``max_position_embeddings`` rows, more when speculation's discarded draft nodes run past the
+        window (Engine)."""
+        num_positions = max(num_positions, self.args.max_position_embeddings, self.rope_cos.shape[0])
+        positions = torch.arange(num_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(self.args)).to(self.rope_cos.device)
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()

@@ -9,6 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from framework.batch import ForwardBatch
+    from framework.config import SpeculativeConfig
     from framework.request import Request
     from framework.scheduler import ScheduledStep
 
@@ -51,14 +52,15 @@ class SpecContext:
 
 
 class Drafter:
-    """Proposes draft trees; keeps whatever state it needs across iterations.
-
-    ``scratch_width``: KV positions (from L on) the drafter writes while drafting, beyond the verify tree.
-    """
+    """Proposes draft trees; keeps whatever state it needs across iterations."""
 
     name = "base"
-    scratch_width = 0
     max_children = 1  # siblings per node in the proposed trees (topk for tree drafters)
+
+    @classmethod
+    def scratch_width(cls, cfg: "SpeculativeConfig") -> int:
+        """KV row positions (from L on) the drafter's own forwards write while drafting: none without a model."""
+        return 0
 
     def on_prefill(self, batch: "ForwardBatch", step: "ScheduledStep", hidden: torch.Tensor,
                    roots: list[Optional[int]]) -> None:

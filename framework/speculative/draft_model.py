@@ -48,6 +48,7 @@ class DraftModelDrafter(ModelDrafter):
             raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
                               f"{vocab_size} != the target's {engine.model.args.vocab_size}")
         self.model = load_model(mcfg, engine.dtype, engine.device)
+        self.model.init_rope(engine.max_context + engine.spec_width)  # its window may be shorter than the target's
         self.model.fused_decode = engine.model.fused_decode  # model.fused_decode applies to both models
         a = self.model.args
         self.own_runner(self.model, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)

@@ -93,7 +93,7 @@ class EagleDrafter(ModelDrafter):
                 hidden_in: torch.Tensor) -> None:
         """DRAFT_EXTEND: run the head over ``ids[i]`` at positions ``starts[i]..`` of each request (ragged) and
         keep its output at each request's last token. ``hidden_in`` ``[sum(len(ids)), hidden]``."""
-        table, alloc = self.engine.allocator.req_to_token_host, self.engine.allocator
+        table = self.engine.allocator.req_to_token_host
         lens = [len(x) for x in ids]
         ends = [s + n for s, n in zip(starts, lens)]
         parts = [np.concatenate([np.asarray(x, dtype=np.int64) for x in ids]),

@@ -38,6 +38,11 @@ class ModelDrafter(Drafter):
         self.runner: ModelRunner = engine.runner  # drafters with a model of their own replace it (own_runner)
         self.layer_ids: Any = None  # layer_skip: the target's layers a draft forward runs
 
+    @classmethod
+    def scratch_width(cls, cfg: SpeculativeConfig) -> int:
+        """The root, then topk positions per later draft step."""
+        return 1 + (cfg.num_steps - 1) * cfg.topk
+
     def own_runner(self, model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> None:
         """Run drafts on ``model`` with a KV pool of its own (``num_layers`` layers) that uses the target's slot

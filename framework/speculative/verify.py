@@ -22,7 +22,15 @@ from framework.speculative.tree import children_table
 from kernels.fill_bonus_tokens import fill_bonus_tokens
 
 SALT_ACCEPT = 101  # uniform draws for the acceptance tests, one per node
-SALT_RESIDUAL = 211  # + depth: the bonus / residual draw at each depth
+SALT_RESIDUAL = 211  # + depth: the bonus / residual draw at each depth below the root
+
+
+def residual_salt(depth: int) -> int:
+    """The root's draw uses the plain sampler's salt (0): a request with no draft then gets the token a plain
+    decode step would give it, so a seeded request's output does not depend on whether its batch-mates drafted.
+    The draws stay independent: acceptance (SALT_ACCEPT), drafts (model_drafter.SALT_DRAFT) and deeper residuals
+    use other salts, and a plain step at the same step index never runs in the same trajectory."""
+    return 0 if depth == 0 else SALT_RESIDUAL + depth
 
 
 @dataclass
@@ -126,7 +134,7 @@ def verify_stochastic(tree: DraftTree, p_nodes: torch.Tensor, sampling: Sampling
                 rejected = (trying & ~accept)[:, None]
                 residual = torch.where(rejected, residual_after_rejection(residual, q_row), residual)
         moved = chosen >= 0
-        bonus = sample_from_probs(residual, sampling.seeds, sampling.steps, salt=SALT_RESIDUAL + depth)
+        bonus = sample_from_probs(residual, sampling.seeds, sampling.steps, salt=residual_salt(depth))
         emitted = torch.where(moved, torch.gather(tree.tokens, 1, chosen.clamp(min=0)[:, None])[:, 0], bonus)
         predict[rows, cur] = torch.where(active, emitted, predict[rows, cur])
         if depth < num_steps:

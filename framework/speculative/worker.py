@@ -21,6 +21,7 @@ from framework.batch import ForwardBatch, ForwardMode
 from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.scheduler import ScheduledStep
+from framework.speculative import DRAFTERS
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.tree import ancestor_mask
 from framework.speculative.verify import verify
@@ -43,14 +44,9 @@ class SpecStats:
                 "verify_time_share": round(self.verify_s / total, 4) if total else 0.0}
 
 
-def scratch_width(cfg: SpeculativeConfig) -> int:
-    """Row positions (from L) a model drafter's forwards write: the root, then topk per later step."""
-    return 1 + (cfg.num_steps - 1) * cfg.topk
-
-
 def spec_kv_width(cfg: SpeculativeConfig) -> int:
-    """Row positions one iteration assigns: the tree or the drafting scratch, plus the next root's slot."""
-    return max(cfg.num_draft_tokens, scratch_width(cfg)) + 1
+    """Row positions one iteration assigns: the tree or the drafter's scratch, plus the next root's slot."""
+    return max(cfg.num_draft_tokens, DRAFTERS.get(cfg.name).scratch_width(cfg)) + 1
 
 
 class SpecWorker:
