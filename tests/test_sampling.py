@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from framework.batch import SamplingBatch
 from framework.config import SamplingConfig
-from framework.sampling import RequestError, SamplingParams, probs_from_logits, sample, sample_from_probs
+from framework.sampling import RequestError, SamplingParams, probs_from_logits, sample, sample_from_probs, uniform_noise
 
 
 def batch_of(n: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seeds=None, steps=None):
@@ -80,6 +80,17 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     assert together[1] == alone[0]
     other_step = sample_from_probs(torch.softmax(logits, -1), torch.tensor([1, 42, 3]), torch.tensor([0, 6, 9]))
     assert other_step.shape == (3,)
+
+
+def test_noise_never_reaches_one():
+    """Seed 335, step 0, column 30005 once drew u = 1.0 (24 bits rounded up): -log(u) = 0, and the race picked
+    column 30005 from any distribution, a one-hot one included (about once per 340 rows of a 49k vocabulary)."""
+    seeds = torch.tensor([335, 1, 2, 3], dtype=torch.int64)
+    u = uniform_noise(seeds, torch.zeros(4, dtype=torch.int64), 49152)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    one_hot = torch.zeros(4, 49152)
+    one_hot[:, 7] = 1.0
+    assert sample_from_probs(one_hot, seeds, torch.zeros(4, dtype=torch.int64)).tolist() == [7] * 4
 
 
 def test_mixed_greedy_and_sampled_rows():

@@ -32,11 +32,16 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, width: int, salt: int = 0) -> torch.Tensor:
-    """``[bs, width]`` float32 in (0, 1), a pure function of (seed, step, column, salt)."""
+    """``[bs, width]`` float32 in (0, 1), a pure function of (seed, step, column, salt).
+
+    NOTE: 23 bits, so that ``(k + 0.5) / 2^23`` is exact in float32 and strictly below 1. With 24 bits the top
+    value rounded to 1.0 (about once per 2^24 draws: once per ~340 rows of a 49k vocabulary), ``-log(u)`` was 0,
+    and the exponential race picked that column whatever its probability, even 0 (a greedy row's one-hot, a
+    token top-k had removed)."""
     row = _fmix32((seeds & _MASK32) ^ _fmix32(_mul32(steps & _MASK32, 0x9E3779B1) ^ (salt & _MASK32)))  # [bs]
     cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
     h = _fmix32(row[:, None] ^ _fmix32(_mul32(cols, 0x27D4EB2F) ^ 0x165667B1)[None, :])  # [bs, width]
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def probs_from_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,

@@ -111,6 +111,7 @@ def verify_stochastic(tree: DraftTree, p_nodes: torch.Tensor, sampling: Sampling
     rows = torch.arange(bs, device=dev)
     children = children_table(tree.parents, tree.valid, max_children)
     u = uniform_noise(sampling.seeds, sampling.steps, n, salt=SALT_ACCEPT)  # [bs, n] one draw per node
+    greedy = sampling.temperatures == 0  # [bs] rows whose p is one-hot (target_probs)
     predict = torch.zeros(bs, n, dtype=torch.int64, device=dev)
     accept_index = torch.full((bs, num_steps + 1), -1, dtype=torch.int64, device=dev)
     accept_index[:, 0] = 0
@@ -135,6 +136,7 @@ def verify_stochastic(tree: DraftTree, p_nodes: torch.Tensor, sampling: Sampling
                 residual = torch.where(rejected, residual_after_rejection(residual, q_row), residual)
         moved = chosen >= 0
         bonus = sample_from_probs(residual, sampling.seeds, sampling.steps, salt=residual_salt(depth))
+        bonus = torch.where(greedy, residual.argmax(-1), bonus)  # a greedy row's residual is one-hot: no noise
         emitted = torch.where(moved, torch.gather(tree.tokens, 1, chosen.clamp(min=0)[:, None])[:, 0], bonus)
         predict[rows, cur] = torch.where(active, emitted, predict[rows, cur])
         if depth < num_steps:
