@@ -214,6 +214,13 @@ def test_bad_requests_get_400_naming_the_field(http, path, body, param, needle):
         assert needle in err["message"] and "\n" not in err["message"]
 
 
+def test_a_form_post_is_told_to_send_json(http):
+    r = http.post("/v1/completions", data={"prompt": "a"})  # application/x-www-form-urlencoded
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "not valid JSON" in message and "application/x-www-form-urlencoded" in message and "\n" not in message
+
+
 def test_server_keeps_serving_after_bad_requests(client, server):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="a", max_tokens=0)

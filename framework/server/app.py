@@ -78,7 +78,8 @@ def create_app(loop: EngineLoop, served_model: str, sampling_defaults: SamplingC
     async def handle(request: Request, parse: Callable[..., ParsedRequest], prefix: str) -> Response:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            parsed = parse(protocol.parse_json(await request.body()), served_model, sampling_defaults)
+            body = protocol.parse_json(await request.body(), request.headers.get("content-type", ""))
+            parsed = parse(body, served_model, sampling_defaults)
             prepared = await loop.prepare(rid, parsed)
         except ClientDisconnect:  # gone before its body arrived: nobody reads an answer
             return Response(status_code=499)

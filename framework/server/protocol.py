@@ -57,13 +57,16 @@ class ParsedRequest:
         return "messages" if self.kind == "chat" else "prompt"
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+def parse_json(raw: bytes, content_type: str = "") -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong with it (and names a Content-Type
+    that is not JSON, the usual cause: a form post)."""
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as err:
         where = f"{err.msg} at line {err.lineno} column {err.colno}"
-        raise APIError(f"the request body is not valid JSON ({where})") from None
+        hint = f"; the Content-Type was {content_type!r}, send application/json" \
+            if content_type and "json" not in content_type.lower() else ""
+        raise APIError(f"the request body is not valid JSON ({where}){hint}") from None
     except UnicodeDecodeError:
         raise APIError("the request body is not valid UTF-8 JSON") from None
     except RecursionError:
