@@ -161,7 +161,8 @@ class Engine:
     def _encode(self, field: str, **text: Any) -> list[int]:
         """encode_prompt, with any failure (text that is not valid Unicode, a chat template that refuses the
         messages) as a one-line :class:`RequestError` naming ``field``."""
-        strings = [text["prompt"]] if "prompt" in text else [v for m in text["messages"] for v in m.values()]
+        strings = [text["prompt"]] if "prompt" in text else [v for m in text["messages"] for v in m.values()
+                                                              if isinstance(v, str)]
         for value in strings:
             try:
                 value.encode("utf-8")

@@ -149,6 +149,9 @@ def test_chat_messages_use_the_template(tiny_llm):
     out = tiny_llm.generate([{"messages": msgs, "max_tokens": 3}])[0]
     assert out.num_prompt_tokens == len(tiny_llm.tokenizer(text, add_special_tokens=False)["input_ids"])
     assert text.endswith("<|im_start|>assistant\n")
+    # a message's other fields (not role or content) may be anything: they once reached a str-only check
+    extra = tiny_llm.generate([{"messages": [dict(msgs[0], name=None)], "max_tokens": 3}])[0]
+    assert extra.finish_reason == "length" and extra.num_prompt_tokens == out.num_prompt_tokens
 
 
 @pytest.mark.parametrize("spec", [[], ["speculative=ngram", "speculative.num_steps=3"],
@@ -173,11 +176,38 @@ def test_chunked_prefill_in_a_small_pool_loses_nothing(solo_outputs, spec):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_chunked_prefills_that_block_each_other_make_progress():
-    """Two chunked prompts that together fill a pool of one full request: the newer one is preempted."""
+def test_a_continued_chunk_waits_for_pages_a_decoding_request_holds():
+    """A pool of one full request; the second prompt's next chunk needs more pages than the first request's
+    decode leaves free: the chunk shrinks or waits (it once raised MemoryError and failed the whole step)."""
     llm = LLM(TINY + ["scheduler.max_context=128", "kv.max_total_tokens=128", "kv.page_size=16",
                       "scheduler.max_prefill_tokens=64", "scheduler.max_running_requests=4"])
     items = [{"prompt": "word " * 59, "max_tokens": 20, "ignore_eos": True},
              {"prompt": "word " * 99, "max_tokens": 20, "ignore_eos": True}]
     solo = LLM(TINY + ["scheduler.max_running_requests=1"])
     assert [o.token_ids for o in llm.generate(items)] == [o.token_ids for o in solo.generate(items)]
+
+
+def test_chunked_prefills_holding_each_others_pages_preempt_the_newer():
+    """No request decodes and no chunk can grow: the newest is preempted so that the oldest can go on (without
+    that, schedule() would find nothing to run and the engine would spin)."""
+    import torch
+
+    from framework.config import SchedulerConfig
+    from framework.kv import KVAllocator
+    from framework.request import Request
+    from framework.sampling import SamplingParams
+    from framework.scheduler import Scheduler
+
+    alloc = KVAllocator(64, 16, 4, 64, torch.device("cpu"))  # 4 pages
+    sched = Scheduler(SchedulerConfig(max_prefill_tokens=64, max_running_requests=4, max_context=64), alloc, set(),
+                      lambda ids: "", torch.device("cpu"))
+    old, new = (Request(rid=i, prompt_ids=[1] * 40, params=SamplingParams(), seed=0, max_new_tokens=8)
+                for i in range(2))
+    for req in (old, new):  # each holds 2 of the 4 pages, 32 of its 40 prompt tokens in them
+        req.row = alloc.alloc_request()
+        alloc.assign([req.row], [0], [32])
+        req.kv_len = 32
+        sched.running.append(req)
+    step = sched.schedule()
+    assert step.reqs == [old] and step.extend_lens == [8]
+    assert list(sched.waiting) == [new] and new.row == -1 and sched.num_preemptions == 1

@@ -10,8 +10,8 @@ from typing import Any
 
 from framework.config import Config, ConfigError
 from framework.jobs import JOBS
-from framework.sampling import SamplingParams
 from framework.request import RequestOutput
+from framework.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

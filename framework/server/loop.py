@@ -2,9 +2,10 @@
 
 HTTP handlers (on the asyncio event loop) validate and tokenize a request on a tokenizer thread
 (:meth:`EngineLoop.prepare`), so a long prompt never holds up the engine, then put commands on a thread-safe
-queue: submit a prepared request, abort one. The loop thread takes all queued commands, runs one ``engine.step()`` (continuous batching across HTTP
-requests), and hands each live request's news (text deltas, the finish, errors) back to its ``asyncio.Queue``
-with ``call_soon_threadsafe``: one call per event loop per iteration. With no work it blocks on the queue.
+queue: submit a prepared request, abort one. The loop thread takes all queued commands, runs one
+``engine.step()`` (continuous batching across HTTP requests), and hands each live request's news (text deltas,
+the finish, errors) back to its ``asyncio.Queue`` with ``call_soon_threadsafe``: one call per event loop per
+iteration. With no work it blocks on the queue.
 
 NOTE: the Engine is constructed inside the loop thread: torch.compile's CUDA-graph trees are thread-local, and
 the warm-up compilation happens in ``Engine.__init__``. Nothing outside this thread touches the engine's state

@@ -113,10 +113,10 @@ def parse_chat(body: dict[str, Any], served_model: str, defaults: SamplingConfig
         raise APIError(f"messages must be a non-empty list of {{\"role\": str, \"content\": str}}, got "
                        f"{_json_type(messages)}", param="messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    field = "max_tokens"
     if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
-        body = dict(body, max_tokens=body["max_completion_tokens"])
-        return _parse_common(body, "chat", {"messages": plain}, served_model, defaults, "max_completion_tokens")
-    return _parse_common(body, "chat", {"messages": plain}, served_model, defaults)
+        field, body = "max_completion_tokens", dict(body, max_tokens=body["max_completion_tokens"])
+    return _parse_common(body, "chat", {"messages": plain}, served_model, defaults, field)
 
 
 def _plain_message(message: Any, index: int) -> dict[str, str]:
