@@ -62,18 +62,19 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PRELOAD: tl.constexpr, W_EF: tl.constexpr, PF_LAST: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF,
+                            PF_LAST)
     r = tl.zeros((BLOCK_M, BLOCK_N), R.dtype.element_ty)
     if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
     out = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, SILU_MUL, BLOCK_M,
-                    BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD).to(Y.dtype.element_ty)
+                    BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, W_EF).to(Y.dtype.element_ty)
     if HAS_RESIDUAL:
         out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
@@ -92,6 +93,16 @@ PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide"
 # MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
 # docs/PERFORMANCE.md, twelfth session).
 PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
+# L2 hints of the weight stream (tfs::gemv, tfs::qkv_rope_store, tfs::lm_head): each weight line is read once per
+# step, so as evict-first loads they leave room in L2 for what a step reads again soon (the next kernel's
+# prefetched first columns, activations); PREFETCH_EVICT_LAST: those prefetches at evict-last priority
+WEIGHT_EVICT_FIRST = False
+PREFETCH_EVICT_LAST = False
+
+
+def stream_hints() -> dict[str, object]:
+    """The weight stream's L2 hints as the kernels' constexprs (``W_EF``, ``PF_LAST``)."""
+    return {"W_EF": WEIGHT_EVICT_FIRST, "PF_LAST": PREFETCH_EVICT_LAST}
 
 
 def launch_class(m: int, n: int, k: int) -> str:
@@ -163,7 +174,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, **stream_hints(), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y

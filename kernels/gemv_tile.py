@@ -56,25 +56,28 @@ def _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd,
 
 @triton.jit
 def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr = False):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr = False,
+                  W_EF: tl.constexpr = False, PF_LAST: tl.constexpr = False):
     """What a program does before its product: with ``USE_PDL``, the launch's wait (after an L2 prefetch of the
     weight rows ``offs_n``' first ``PREFETCH_K`` columns; with ``PRELOAD``, the first ``BLOCK_K`` columns are loaded
     into registers before the wait and the prefetch takes the ``PREFETCH_K`` after them). Returns the preloaded
     chunk ``[BLOCK_N, BLOCK_K]`` (zeros without ``PRELOAD``) for :func:`gemv_tile`. A kernel loads what its
     epilogue needs from earlier kernels (a residual, RoPE's positions) between the two, so that the loads complete
-    during the weight loop instead of adding a round trip after it."""
+    during the weight loop instead of adding a round trip after it. ``W_EF``, ``PF_LAST``: the weight stream's
+    L2 hints (:func:`kernels.gemv.stream_hints`)."""
     tl.static_assert(not PRELOAD or USE_PDL, "PRELOAD: only before a PDL launch's wait")
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BLOCK_K)
     w_first = tl.zeros((BLOCK_N, BLOCK_K), W.dtype.element_ty)
     if PRELOAD:  # the first chunk of the weight rows, held in registers across the wait
         w_first = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k0[None, :],
-                          mask=n_ok[:, None] & (offs_k0 < K)[None, :], other=0.0)
+                          mask=n_ok[:, None] & (offs_k0 < K)[None, :], other=0.0,
+                          eviction_policy="evict_first" if W_EF else "")
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote x
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
             lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64 + (BLOCK_K if PRELOAD else 0), K - 1)
-            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :], PF_LAST)
         gdc_wait()
         # the next kernel may launch now: its programs wait too, and prefetch their weights meanwhile (letting it
         # launch after the weight loop instead made the 8B step 4.48 ms instead of 3.94: docs/PERFORMANCE.md)
@@ -85,7 +88,8 @@ def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K:
 @triton.jit
 def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: tl.constexpr,
               SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False):
+              EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
+              W_EF: tl.constexpr = False):
     """``(x @ w[offs_n].T)`` ``[BLOCK_M, BLOCK_N]`` in float32 with the prologue (RMSNorm or SiLU-mul) applied,
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
     used with ``PRELOAD``). Row ``m`` of x starts at ``X + x_rows[m]`` (``[BLOCK_M]`` element offsets; every
@@ -120,9 +124,11 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
         offs_k = k0 + offs_k0
         k_ok = offs_k < K
         if EVEN_K:  # no K mask on the weight (the x loads keep theirs: always true here)
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0,
+                        eviction_policy="evict_first" if W_EF else "")  # [BLOCK_N, BLOCK_K]
         else:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first" if W_EF else "")
         acc, ss_late = _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd, NORM, SILU_MUL,
                                    LATE_NORM, BLOCK_M, IEEE_DOT)
     if BLOCK_M == 1:

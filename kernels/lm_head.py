@@ -20,7 +20,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options
+from kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options, stream_hints
 from kernels.gemv_tile import gemv_prologue, gemv_tile
 from kernels.pdl import HAS_GDC
 
@@ -30,6 +30,7 @@ def _lm_head_kernel(
     X, W, NW, Logits, Hidden, M, N, K, eps, stride_xm, stride_wn, stride_lm, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    W_EF: tl.constexpr, PF_LAST: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); program p: logits[:, p * BLOCK_N:][:BLOCK_N], and hidden row p when p < M
     # NOTE: every row of x, not rows picked by an index: a gathered row's offset is one more round trip before each
@@ -37,7 +38,8 @@ def _lm_head_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, False)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, False, W_EF,
+                            PF_LAST)
     if pid < M:  # the hidden states, one row per early program (x came from the kernel before: after the wait),
         # in BLOCK_K chunks: two passes over the row, from L2
         offs_c = tl.arange(0, BLOCK_K)
@@ -54,7 +56,7 @@ def _lm_head_kernel(
             tl.store(Hidden + pid * stride_hm + k0 + offs_c, (nw * xn.to(tl.float32)).to(Hidden.dtype.element_ty),
                      mask=c_ok)
     out = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, True, False, BLOCK_M,
-                    BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, False)
+                    BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, False, W_EF)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     # float32 logits, rounded to the weight's dtype first (what .float() of the unfused bf16 product gives)
     tl.store(Logits + offs_m[:, None] * stride_lm + offs_n[None, :], out.to(W.dtype.element_ty).to(tl.float32),
@@ -90,7 +92,7 @@ def launch_lm_head(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: to
         x, w, norm_weight, logits, hidden, m, v, k, eps, x.stride(0), w.stride(0), logits.stride(0), hidden.stride(0),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and m == 1, USE_PDL=pdl, PREFETCH_K=prefetch_k,
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        **stream_hints(), num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return logits, hidden
 

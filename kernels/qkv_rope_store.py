@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options
+from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options, stream_hints
 from kernels.gemv_tile import gemv_prologue, gemv_tile
 from kernels.pdl import HAS_GDC
 from kernels.rope_store import check_inputs, rope_store_kv_reference
@@ -32,7 +32,7 @@ def _qkv_rope_store_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PRELOAD: tl.constexpr, W_EF: tl.constexpr, PF_LAST: tl.constexpr,
 ):
     # grid: ((heads + 2 * kv_heads) * HALF / PAIRS,); program p: PAIRS columns c of head h's first half, and c + HALF
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -43,7 +43,8 @@ def _qkv_rope_store_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     ok = m_ok[:, None]
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF,
+                            PF_LAST)
     # the epilogue's positions, rotary rows and slots, loaded before the weight loop (after the wait: the batch's
     # metadata may come from a kernel of the step) so that they arrive during it: after it they were two dependent
     # round trips (position, then its cos / sin row) at the end of every program
@@ -52,7 +53,7 @@ def _qkv_rope_store_kernel(
     sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
     slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
     y = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, False,
-                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD)
+                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, W_EF)
     y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
@@ -117,7 +118,7 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, num_warps=warps, num_stages=stages,
+        USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, **stream_hints(), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return q
