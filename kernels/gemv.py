@@ -62,14 +62,13 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    PRELOAD: tl.constexpr, W_EF: tl.constexpr, PF_LAST: tl.constexpr,
+    PRELOAD: tl.constexpr, W_EF: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); one program computes y[:, n0:n0 + BLOCK_N] from whole rows of w
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF,
-                            PF_LAST)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF)
     r = tl.zeros((BLOCK_M, BLOCK_N), R.dtype.element_ty)
     if HAS_RESIDUAL:  # loaded before the weight loop (after the wait: an earlier kernel wrote it), not after it
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
@@ -93,16 +92,17 @@ PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide"
 # MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
 # docs/PERFORMANCE.md, twelfth session).
 PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
-# L2 hints of the weight stream (tfs::gemv, tfs::qkv_rope_store, tfs::lm_head): each weight line is read once per
-# step, so as evict-first loads they leave room in L2 for what a step reads again soon (the next kernel's
-# prefetched first columns, activations); PREFETCH_EVICT_LAST: those prefetches at evict-last priority
-WEIGHT_EVICT_FIRST = False
-PREFETCH_EVICT_LAST = False
+# The weight stream's loads (tfs::gemv, tfs::qkv_rope_store, tfs::lm_head) at L2's evict-first priority: a step
+# reads each weight line once, so they leave room in L2 for what it reads again soon (the next kernel's prefetched
+# first columns, activations). 8B decode step 3801-3803 us instead of 3808-3810 (docs/PERFORMANCE.md, twenty-third
+# session; the PDL prefetches at evict-last on top gained nothing, and with evict-first, wider prefetch windows
+# were slower still)
+WEIGHT_EVICT_FIRST = True
 
 
 def stream_hints() -> dict[str, object]:
-    """The weight stream's L2 hints as the kernels' constexprs (``W_EF``, ``PF_LAST``)."""
-    return {"W_EF": WEIGHT_EVICT_FIRST, "PF_LAST": PREFETCH_EVICT_LAST}
+    """The weight stream's L2 hint as the kernels' constexpr ``W_EF``."""
+    return {"W_EF": WEIGHT_EVICT_FIRST}
 
 
 def launch_class(m: int, n: int, k: int) -> str:

@@ -57,14 +57,14 @@ def _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd,
 @triton.jit
 def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr = False,
-                  W_EF: tl.constexpr = False, PF_LAST: tl.constexpr = False):
+                  W_EF: tl.constexpr = False):
     """What a program does before its product: with ``USE_PDL``, the launch's wait (after an L2 prefetch of the
     weight rows ``offs_n``' first ``PREFETCH_K`` columns; with ``PRELOAD``, the first ``BLOCK_K`` columns are loaded
     into registers before the wait and the prefetch takes the ``PREFETCH_K`` after them). Returns the preloaded
     chunk ``[BLOCK_N, BLOCK_K]`` (zeros without ``PRELOAD``) for :func:`gemv_tile`. A kernel loads what its
     epilogue needs from earlier kernels (a residual, RoPE's positions) between the two, so that the loads complete
-    during the weight loop instead of adding a round trip after it. ``W_EF``, ``PF_LAST``: the weight stream's
-    L2 hints (:func:`kernels.gemv.stream_hints`)."""
+    during the weight loop instead of adding a round trip after it. ``W_EF``: the weight loads at L2's
+    evict-first priority (:func:`kernels.gemv.stream_hints`)."""
     tl.static_assert(not PRELOAD or USE_PDL, "PRELOAD: only before a PDL launch's wait")
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BLOCK_K)
@@ -77,7 +77,7 @@ def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K:
         if PREFETCH_K > 0:  # meanwhile, pull the start of this program's weight rows into L2
             # one prefetch per 128-byte line (64 bf16), clamped to the weight's last row and column
             lines = tl.minimum(tl.arange(0, PREFETCH_K // 64) * 64 + (BLOCK_K if PRELOAD else 0), K - 1)
-            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :], PF_LAST)
+            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
         # the next kernel may launch now: its programs wait too, and prefetch their weights meanwhile (letting it
         # launch after the weight loop instead made the 8B step 4.48 ms instead of 3.94: docs/PERFORMANCE.md)

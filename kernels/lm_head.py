@@ -30,7 +30,7 @@ def _lm_head_kernel(
     X, W, NW, Logits, Hidden, M, N, K, eps, stride_xm, stride_wn, stride_lm, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    W_EF: tl.constexpr, PF_LAST: tl.constexpr,
+    W_EF: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),); program p: logits[:, p * BLOCK_N:][:BLOCK_N], and hidden row p when p < M
     # NOTE: every row of x, not rows picked by an index: a gathered row's offset is one more round trip before each
@@ -38,8 +38,7 @@ def _lm_head_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, False, W_EF,
-                            PF_LAST)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, False, W_EF)
     if pid < M:  # the hidden states, one row per early program (x came from the kernel before: after the wait),
         # in BLOCK_K chunks: two passes over the row, from L2
         offs_c = tl.arange(0, BLOCK_K)

@@ -45,16 +45,12 @@ except ImportError:  # an older Triton: PDL is never requested
 
 
 @triton.jit
-def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
+def prefetch_l2(ptrs):
     """Pull the 128-byte lines at ``ptrs`` (any shape; one pointer per line is enough) into L2 without waiting:
     what a kernel launched early may do with memory that the kernel before it does not write (weights, the KV
-    cache of earlier steps). ``EVICT_LAST``: with L2's evict-last priority. CUDA only (inline PTX)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    cache of earlier steps). CUDA only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -32,7 +32,7 @@ def _qkv_rope_store_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr, LATE_NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-    PRELOAD: tl.constexpr, W_EF: tl.constexpr, PF_LAST: tl.constexpr,
+    PRELOAD: tl.constexpr, W_EF: tl.constexpr,
 ):
     # grid: ((heads + 2 * kv_heads) * HALF / PAIRS,); program p: PAIRS columns c of head h's first half, and c + HALF
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -43,8 +43,7 @@ def _qkv_rope_store_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     ok = m_ok[:, None]
-    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF,
-                            PF_LAST)
+    w_first = gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL, PREFETCH_K, BLOCK_N, BLOCK_K, PRELOAD, W_EF)
     # the epilogue's positions, rotary rows and slots, loaded before the weight loop (after the wait: the batch's
     # metadata may come from a kernel of the step) so that they arrive during it: after it they were two dependent
     # round trips (position, then its cos / sin row) at the end of every program
