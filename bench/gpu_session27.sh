@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU leases of 2026-12-02 (twenty-first session), H200. Results: docs/PERFORMANCE.md, "Twenty-first session".
+# GPU leases of 2026-12-02 (prepared in the twenty-first session, run in the twenty-third), H200. Results:
+# docs/PERFORMANCE.md, "Twenty-third session". Both cases ran on branch exp/stream-evict (main has no
+# PREFETCH_EVICT_LAST; its WEIGHT_EVICT_FIRST is now True by default).
 #   a: (branch exp/stream-evict) the weight stream's L2 hints (kernels/gemv.py WEIGHT_EVICT_FIRST,
 #      PREFETCH_EVICT_LAST):
 #      none (main's code), weight loads evict-first, and evict-first with the PDL prefetches at evict-last,
