@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -62,7 +62,6 @@ class ForwardBatch:
     sampling: Optional[SamplingBatch] = None
     spec: Any = None  # drafter / verifier state
     attn: Any = None  # attention-backend metadata, filled by AttentionBackend.init_metadata
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bs:

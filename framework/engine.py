@@ -54,13 +54,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class EngineStats:
-    """Counters for the metrics file / endpoint (wall time: first admission to last finish)."""
+    """The batch job's wall time: first admission to last finish."""
 
-    num_requests: int = 0
-    num_output_tokens: int = 0
     first_admit_s: Optional[float] = None
     last_finish_s: Optional[float] = None
-    num_forwards: int = 0
 
     @property
     def wall_s(self) -> float:
@@ -177,7 +174,6 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         self.scheduler.add(req)
-        self.stats.num_requests += 1
 
     def abort(self, rid: Any) -> Optional[Request]:
         return self.scheduler.abort(rid)
@@ -207,13 +203,10 @@ class Engine:
             return []
         if self.stats.first_admit_s is None:
             self.stats.first_admit_s = time.perf_counter()
-        before = sum(len(r.output_ids) for r in step.reqs)
         if step.mode is ForwardMode.DECODE and self.spec_worker is not None:
             finished = self.spec_worker.step(step)
         else:
             finished = self.plain_step(step)
-        self.stats.num_forwards += 1
-        self.stats.num_output_tokens += sum(len(r.output_ids) for r in step.reqs) - before
         if finished:
             self.stats.last_finish_s = time.perf_counter()
         return finished

@@ -14,50 +14,14 @@ import torch._inductor.config  # noqa: F401  (config.patch for CPU freezing)
 
 from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch, ForwardMode
+from framework import compile_guards
+from framework.compile_guards import CAN_SKIP_GUARDS, full_guards, guarded_if_skipping, input_signature
 from framework.graph_inputs import StaticInputs, pad_fresh
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
 from kernels.inductor_fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
-
-
-def _can_skip_guards() -> bool:
-    """True when this torch can run only the guards that tell compiled entries apart (see ModelRunner.forward)."""
-    try:
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):
-            return True
-    except (TypeError, AttributeError):
-        return False
-
-
-CAN_SKIP_GUARDS = _can_skip_guards()
-
-
-_SKIP_STANCE_SET = False  # a runner put the process in the skip_guard_eval_unsafe stance
-
-
-def full_guards() -> Any:
-    """A context in which torch.compile'd code evaluates all of its guards (and may compile)."""
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
-
-
-def guarded_if_skipping() -> Any:
-    """Full guards when some runner set the skip stance (a no-op context otherwise): for calls that may compile
-    (eager forwards whose backend compiles parts, runners with ``compile.skip_guards=false``)."""
-    return full_guards() if _SKIP_STANCE_SET else contextlib.nullcontext()
-
-
-def input_signature(value: Any) -> Any:
-    """What dynamo's guards on ``value`` depend on, as a hashable key: tensors by dtype, device and shape, Python
-    scalars by value, containers and metadata objects field by field."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.device, tuple(value.shape)
-    if value is None or isinstance(value, (int, float, str, bool)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return tuple(input_signature(v) for v in value)
-    return type(value), tuple(input_signature(v) for v in vars(value).values())
 
 
 def configure_dynamo() -> None:
@@ -91,9 +55,7 @@ class ModelRunner:
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards
         if self.skip_guards:
-            global _SKIP_STANCE_SET
-            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)  # process-wide, see _guard_stance
-            _SKIP_STANCE_SET = True
+            compile_guards.skip_guards_process_wide()  # see _guard_stance
         self.batch_sizes = sorted(set(batch_sizes))
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
         self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs

@@ -27,12 +27,6 @@ class Request:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0  # tokens emitted by verify steps, bonus included
     drafter_state: Any = None  # the drafter's per-request state (n-gram index, draft KV length, ...)
-    num_preemptions: int = 0
-
-    @property
-    def seq_len(self) -> int:
-        """Prompt plus generated tokens (the last generated token's K/V is not yet in the pool)."""
-        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def prefill_target(self) -> int:
@@ -54,9 +48,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def max_total_len(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
 
 
 @dataclass

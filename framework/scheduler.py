@@ -94,7 +94,6 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.free_request(req.row)
         req.row, req.kv_len = -1, 0
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 

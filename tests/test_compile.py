@@ -24,11 +24,10 @@ def eager_outputs():
 @pytest.fixture(scope="module", params=[1, 16])
 def compiled(request):
     """Also with compile.skip_guards=true (opt-in); its process-wide stance is undone for the tests after these."""
-    import framework.model_runner as model_runner
+    from framework.compile_guards import restore_guards_process_wide
 
     yield LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true"])
-    torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
-    model_runner._SKIP_STANCE_SET = False
+    restore_guards_process_wide()
 
 
 def test_compiled_greedy_equals_eager(compiled, eager_outputs):
@@ -129,7 +128,7 @@ def test_input_signature_tells_apart_what_guards_check():
     must change with every shape, dtype and metadata value a guard could look at, and not with tensor contents."""
     from dataclasses import dataclass
 
-    from framework.model_runner import input_signature
+    from framework.compile_guards import input_signature
 
     @dataclass
     class Meta:

@@ -113,7 +113,7 @@ def attend_compiled(*args: Any) -> torch.Tensor:
     global _compiled_attend
     if torch.compiler.is_compiling():
         return attend(*args)
-    from framework.model_runner import guarded_if_skipping  # flex compiles internally: never without guards
+    from framework.compile_guards import guarded_if_skipping  # flex compiles internally: never without guards
 
     with guarded_if_skipping():
         if not args[0].is_cuda:

@@ -14,12 +14,10 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config.schema import Config, ModelConfig, register_schemas
+from framework.errors import ConfigError, RequestError
+from framework.sampling.params import SamplingParams
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-
-class ConfigError(ValueError):
-    """A bad configuration value or override; ``str(err)`` is one line for the user."""
 
 
 def _choice(key: str, value: Any, allowed: Iterable[Any]) -> None:
@@ -98,8 +96,6 @@ def validate(config: Config) -> None:
 
 def validate_sampling(config: Config) -> None:
     """The sampling defaults, checked as every request's fields are (a default no request could use fails here)."""
-    from framework.sampling import RequestError, SamplingParams
-
     try:
         SamplingParams.from_request(config.sampling, {})
     except RequestError as err:

@@ -43,10 +43,6 @@ class KVAllocator:
         return len(self._free_pages)
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
-
-    @property
     def num_used_slots(self) -> int:
         return (self.num_pages - len(self._free_pages)) * self.page_size
 

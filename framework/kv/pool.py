@@ -29,6 +29,3 @@ class KVPool(nn.Module):
         """Write ``k, v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
         self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

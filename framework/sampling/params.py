@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from framework.config import SamplingConfig
+from framework.errors import RequestError
 
-
-class RequestError(ValueError):
-    """A bad request (prompt or sampling field); ``str(err)`` is one line naming the field and what is allowed."""
+if TYPE_CHECKING:
+    from framework.config import SamplingConfig
 
 
 # below this a temperature's logits / temperature overflow float32: such requests are greedy (vLLM does the same)
