@@ -3,10 +3,11 @@
     python train_free_serve.py model=tiny_llama attention=sdpa compile=eager kv.page_size=16
     python train_free_serve.py -m kv.page_size=1,16          # a Hydra multirun sweep
 
-A bad option, key or value, or a missing model file, stops here with one line on stderr and exit code 2. In a
-multirun sweep every combination is checked before the first job starts; a job that still fails (on a value only
-the built engine can judge, or a missing file) prints its line, records it in its ``metrics.json`` and lets the
-other jobs and the sweep summary run; the process then exits with code 1.
+A bad option, key or value, or a missing or damaged weights file (not GGUF, truncated, tensors missing, unexpected
+or mis-shaped), stops here with one line on stderr and exit code 2. In a multirun sweep every combination is checked
+before the first job starts; a job that still fails (on a value only the built engine can judge, or a missing or
+damaged file) prints its line, records it in its ``metrics.json`` and lets the other jobs and the sweep summary run;
+the process then exits with code 1.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def first_line(err: BaseException) -> str:
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> int:
     from framework.jobs import JOBS
-    from framework.models.loader import ModelNotInstalled
+    from framework.models import ModelNotInstalled, WeightsError
 
     try:
         config = to_config(cfg)
@@ -68,7 +69,8 @@ def hydra_main(cfg: DictConfig) -> int:
         return JOBS.get(config.run.name)(config)
     except ConfigError as err:  # a value that only the built engine can judge (e.g. a backend's device)
         return job_failed(f"config error: {err}")
-    except (ModelNotInstalled, OSError) as err:  # a missing package, weights file, tokenizer or prompts file
+    # a missing package, weights file, tokenizer or prompts file, or weights that are not what they claim to be
+    except (ModelNotInstalled, WeightsError, OSError) as err:
         return job_failed(f"error: {first_line(err)}")
 
 

@@ -1,20 +1,21 @@
 """Weights in: GGUF files (through the ``gguf`` package), Hugging Face safetensors directories, or seeded
-random weights. Every loader returns a :class:`LlamaForCausalLM` on the requested device and dtype."""
+random weights. Every loader returns a :class:`LlamaForCausalLM` on the requested device and dtype, or raises
+:class:`WeightsError` (one line naming the file and the fault) for weights that are not what they claim to be: a
+file that is not GGUF, a truncated file, a checkpoint with missing, unexpected or mis-shaped tensors."""
 
 from __future__ import annotations
 
-import glob
 import importlib.util
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
 from framework.config import ModelConfig
+from framework.models.checks import (Shapes, WeightsError, check_gguf_file, check_hf_dir, check_tensors,
+                                     open_safetensors, safetensors_files)
 from framework.models.llama import LlamaArgs, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,40 @@ def gguf_package_file(package: str, file: str) -> str:
 
 
 def model_file(cfg: ModelConfig) -> str | None:
-    """The weights file or directory that ``cfg`` names (None for random weights)."""
+    """The weights file or directory that ``cfg`` names (None for random weights), checked to be what
+    ``model.source`` says before anything (the tokenizer included) reads it."""
     if cfg.source == "gguf_package":
-        return gguf_package_file(cfg.package, cfg.file)
+        path = gguf_package_file(cfg.package, cfg.file)
+        check_gguf_file(path, f"model.file={path!r}")
+        return path
     if cfg.source in ("gguf", "hf"):
         if not os.path.exists(cfg.path):
             raise FileNotFoundError(f"model.path={cfg.path!r} does not exist")
+        if cfg.source == "gguf":
+            check_gguf_file(cfg.path, f"model.path={cfg.path!r}")
+        else:
+            check_hf_dir(cfg.path, f"model.path={cfg.path!r}")
         return cfg.path
     return None
+
+
+def _file_key(cfg: ModelConfig) -> str:
+    """The key that names the weights file in messages."""
+    return "model.file" if cfg.source == "gguf_package" else "model.path"
+
+
+def expected_tensors(args: LlamaArgs, names: dict[str, str], embed: str, norm: str, lm_head: str) -> Shapes:
+    """Checkpoint name -> shape of every tensor a model of ``args`` reads (``names``: role -> per-layer pattern)."""
+    hidden, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    per_layer = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q), "gate": (inter, hidden),
+                 "up": (inter, hidden), "down": (hidden, inter), "attn_norm": (hidden,), "ffn_norm": (hidden,)}
+    shapes = {embed: (args.vocab_size, hidden), norm: (hidden,)}
+    if not args.tie_word_embeddings:
+        shapes[lm_head] = (args.vocab_size, hidden)
+    for i in range(args.num_layers):
+        shapes.update({names[role].format(i=i): shape for role, shape in per_layer.items()})
+    return shapes
 
 
 def _fill(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
@@ -90,21 +117,32 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_args(path: str) -> LlamaArgs:
+def _gguf_reader(path: str, key: str):
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
-    return _gguf_args(reader)
+    label = f"{key}={path!r}"
+    check_gguf_file(path, label)
+    try:
+        return GGUFReader(path)
+    except ValueError as err:  # what the header check does not catch
+        raise WeightsError(f"{label} is not a readable GGUF file ({err})") from None
 
 
-def _gguf_args(reader) -> LlamaArgs:
+def gguf_args(path: str, key: str = "model.path") -> LlamaArgs:
+    return _gguf_args(_gguf_reader(path, key), f"{key}={path!r}")
+
+
+def _gguf_args(reader, label: str) -> LlamaArgs:
     def field(key: str, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama")
+        raise WeightsError(f"{label}: GGUF architecture {arch!r} is not supported; supported: llama")
+    for key in ("block_count", "embedding_length", "attention.head_count", "feed_forward_length"):
+        if field(f"{arch}.{key}") is None:
+            raise WeightsError(f"{label}: the GGUF metadata lacks {arch}.{key}")
     names = {t.name for t in reader.tensors}
     scaling: dict = {}
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -125,14 +163,17 @@ def _gguf_args(reader) -> LlamaArgs:
     )
 
 
-def load_gguf(path: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_gguf(path: str, dtype: torch.dtype, device: torch.device, key: str = "model.path") -> LlamaForCausalLM:
     """Dequantize a GGUF file's tensors to ``dtype`` and build the model."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
-    args = _gguf_args(reader)
+    label = f"{key}={path!r}"
+    reader = _gguf_reader(path, key)
+    args = _gguf_args(reader, label)
     raw = {t.name: t for t in reader.tensors}
+    check_tensors(label, {name: tuple(int(d) for d in reversed(t.shape)) for name, t in raw.items()},
+                  expected_tensors(args, _GGUF_NAMES, "token_embd.weight", "output_norm.weight", "output.weight"),
+                  optional={"rope_freqs.weight": (args.head_dim // 2,)})
 
     def get(name: str) -> torch.Tensor:
         t = raw[name]
@@ -161,8 +202,12 @@ _HF_NAMES = {"q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers
              "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight"}
 
 
-def hf_args(directory: str) -> LlamaArgs:
-    cfg = json.loads(Path(directory, "config.json").read_text())
+def hf_args(directory: str, key: str = "model.path") -> LlamaArgs:
+    label = f"{key}={directory!r}"
+    cfg = check_hf_dir(directory, label)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(cfg.get(name), int):
+            raise WeightsError(f"{label}: config.json lacks {name!r} (an integer)")
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type")) == "default":
@@ -178,19 +223,26 @@ def hf_args(directory: str) -> LlamaArgs:
     )
 
 
-def load_hf(directory: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_hf(directory: str, dtype: torch.dtype, device: torch.device, key: str = "model.path") -> LlamaForCausalLM:
     """Load a Hugging Face Llama checkpoint directory (config.json + *.safetensors)."""
-    from safetensors import safe_open
-
-    args = hf_args(directory)
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    label = f"{key}={directory!r}"
+    args = hf_args(directory, key)
+    files = safetensors_files(directory)
+    shapes: Shapes = {}
+    for f in files:  # names and shapes from the headers first: no tensor is read from a checkpoint we refuse
+        with open_safetensors(f, f"{label}: {os.path.basename(f)}") as fh:
+            shapes.update((name, tuple(fh.get_slice(name).get_shape())) for name in fh.keys())
+    # NOTE: older Llama checkpoints carry the rotary tables as buffers; they are recomputed, not read
+    shapes = {name: s for name, s in shapes.items() if not name.endswith(".rotary_emb.inv_freq")}
+    check_tensors(label, shapes, expected_tensors(args, _HF_NAMES, "model.embed_tokens.weight", "model.norm.weight",
+                                                  "lm_head.weight"),
+                  optional={"lm_head.weight": (args.vocab_size, args.hidden_size)})  # tied models may keep it
     raw: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(f, framework="pt") as fh:
+        with open_safetensors(f, f"{label}: {os.path.basename(f)}") as fh:
             for name in fh.keys():
-                raw[name] = fh.get_tensor(name)
+                if name in shapes:
+                    raw[name] = fh.get_tensor(name)
     get = lambda name: raw[name].float()  # noqa: E731
     tensors = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
     if not args.tie_word_embeddings:
@@ -258,7 +310,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     """Build the model that ``cfg`` describes."""
     path = model_file(cfg)
     if cfg.source in ("gguf", "gguf_package"):
-        model = load_gguf(path, dtype, device)
+        model = load_gguf(path, dtype, device, _file_key(cfg))
     elif cfg.source == "hf":
         model = load_hf(path, dtype, device)
     else:

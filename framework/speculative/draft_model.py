@@ -16,6 +16,8 @@ import torch
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError, ModelConfig, SpeculativeConfig
 from framework.config.load import model_option
+from framework.models.checks import WeightsError
+from framework.models.llama import LlamaForCausalLM
 from framework.models.loader import gguf_args, hf_args, load_model, model_file
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
@@ -39,19 +41,26 @@ class DraftModelDrafter(ModelDrafter):
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
         mcfg = model_option(cfg.draft_model)
-        if tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
-            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; its tokenizer differs "
-                              f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
-        # NOTE: checked before loading: a mismatched draft can be far larger than the target (an 8B-shaped one)
-        vocab_size = draft_vocab_size(mcfg)
-        if vocab_size != engine.model.args.vocab_size:
-            raise ConfigError(f"speculative.draft_model={cfg.draft_model!r} is not allowed; vocabulary "
-                              f"{vocab_size} != the target's {engine.model.args.vocab_size}")
-        self.model = load_model(mcfg, engine.dtype, engine.device)
+        try:
+            self.model = self._load(mcfg, engine, cfg.draft_model)
+        except WeightsError as err:  # the draft's own model.path: say which option it came from
+            raise WeightsError(f"speculative.draft_model={cfg.draft_model!r}: {err}") from None
         self.model.init_rope(engine.max_context + engine.spec_width)  # its window may be shorter than the target's
         self.model.fused_decode = engine.model.fused_decode  # model.fused_decode applies to both models
         a = self.model.args
         self.own_runner(self.model, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
+
+    @staticmethod
+    def _load(mcfg: ModelConfig, engine, name: str) -> LlamaForCausalLM:
+        if tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
+            raise ConfigError(f"speculative.draft_model={name!r} is not allowed; its tokenizer differs "
+                              f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
+        # NOTE: checked before loading: a mismatched draft can be far larger than the target (an 8B-shaped one)
+        vocab_size = draft_vocab_size(mcfg)
+        if vocab_size != engine.model.args.vocab_size:
+            raise ConfigError(f"speculative.draft_model={name!r} is not allowed; vocabulary "
+                              f"{vocab_size} != the target's {engine.model.args.vocab_size}")
+        return load_model(mcfg, engine.dtype, engine.device)
 
     def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
         self.runner.forward(batch)  # the same prompt chunk into the draft pool, at the same slots

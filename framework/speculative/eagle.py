@@ -19,6 +19,7 @@ from torch import nn
 
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import SpeculativeConfig
+from framework.models.checks import load_safetensors_into
 from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
@@ -59,9 +60,7 @@ def build_head(target: LlamaForCausalLM, checkpoint: Optional[str], seed: int) -
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     head = EagleHead(target)
     if checkpoint:
-        from safetensors.torch import load_file
-
-        head.load_state_dict(load_file(checkpoint), strict=True)
+        load_safetensors_into(head, checkpoint, f"speculative.checkpoint={checkpoint!r}", "the head")
     else:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
