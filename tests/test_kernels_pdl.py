@@ -14,8 +14,8 @@ import torch
 from framework.config import ConfigError
 from framework.engine import resolve_pdl
 from kernels.decode_attention import decode_attention
-from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, launch_class,
-                          pdl_options)
+from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, gemv_reference,
+                          launch_class, launch_gemv, pdl_options)
 from kernels.mask_bits import pack_mask_bits
 from kernels.pdl import pdl_supported
 from kernels.qkv_rope_store import qkv_rope_store
@@ -35,6 +35,30 @@ def test_pdl_setting_resolves_per_device() -> None:
     assert str(err.value).startswith("compile.pdl=on is not allowed on cpu") and "\n" not in str(err.value)
 
 
+# one-row Llama-3-8B and SmolLM2 layer shapes (qkv, o, gate_up, down, lm_head), and shapes that are not multiples of
+# any tile (N, K) or shorter than the widest prefetch window
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (960, 576), (576, 576),
+          (3072, 576), (576, 1536), (49152, 576), (300, 300), (604, 500), (300, 1100), (1, 64)]
+
+
+def test_pdl_options_are_launches_the_kernel_accepts() -> None:
+    """Whatever the tuned tables say, every product the model's PDL ops can launch gets options that
+    ``launch_gemv`` accepts: a launch class with tuned parameters, a prefetch window that is 0 or an allowed one (a
+    power of two from 64 that the kernel can unroll in 128-byte lines), none for a weight that is not 16-bit, and
+    neither a prefetch nor a preload without PDL. A typo in a table would otherwise turn a launch off silently or
+    fail only on the GPU."""
+    assert set(PDL_PRELOAD) <= set(CUDA_LAUNCH) and set(PDL_PREFETCH_K) >= set(CUDA_LAUNCH)
+    assert all(c >= 64 and c & (c - 1) == 0 for c in PREFETCH_CHOICES)
+    for rows in (1, 2, 4, 16):
+        for n, k in SHAPES:
+            assert launch_class(rows, n, k) in CUDA_LAUNCH
+            for element_size in (2, 4):
+                prefetch_k, preload = pdl_options(rows, n, k, element_size)
+                assert prefetch_k == 0 or (element_size == 2 and prefetch_k in PREFETCH_CHOICES), (rows, n, k)
+                assert isinstance(preload, bool)
+                assert pdl_options(rows, n, k, element_size, pdl=False) == (0, False)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------------------
 needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and pdl_supported(torch.device("cuda"))),
                                reason="PDL needs a CUDA GPU of compute capability >= 9.0")
@@ -49,32 +73,6 @@ def attention_args(q_len: int, masked: bool, seed: int) -> tuple:
     seq = torch.tensor(lens, device="cuda")
     mask = tree_mask(4, q_len, q_len + 3, seed + 3).to("cuda") if masked else None
     return q, k_cache, v_cache, table, rpi, seq, mask
-
-
-def test_preload_classes() -> None:
-    """The launch classes that preload before a PDL wait exist (a typo would turn the preload off silently), and the
-    one-row Llama-3-8B shapes take them as measured: qkv, o and down preload; gate_up and lm_head do not; several
-    rows never do."""
-    assert set(PDL_PRELOAD) <= set(CUDA_LAUNCH)
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-              "lm_head": (128256, 4096)}
-    assert {name: launch_class(1, n, k) for name, (n, k) in shapes.items()} == {
-        "qkv": "wide", "o": "square", "gate_up": "very_wide", "down": "tall", "lm_head": "vocab"}
-    assert [name for name, (n, k) in shapes.items() if pdl_options(1, n, k, 2)[1]] == ["qkv", "o", "down"]
-    assert not any(pdl_options(rows, n, k, 2)[1] for rows in (2, 16) for n, k in shapes.values())
-    assert not any(pdl_options(1, n, k, 2, pdl=False)[1] for n, k in shapes.values())
-
-
-def test_prefetch_windows() -> None:
-    """Every launch class has an L2 prefetch window the kernel accepts (a power of two it can unroll), and a float32
-    weight prefetches nothing (the window counts 128-byte lines of 16-bit elements); gate_up's window is the 8B
-    step's measured best, the others the chain's."""
-    assert set(PDL_PREFETCH_K) == set(CUDA_LAUNCH)
-    assert all(v in PREFETCH_CHOICES for v in PDL_PREFETCH_K.values())
-    assert PDL_PREFETCH_K["very_wide"] == 1024 and PDL_PREFETCH_K["square"] == PDL_PREFETCH_K["wide"] == 512
-    assert pdl_options(1, 4096, 4096, 2)[0] == PDL_PREFETCH_K["square"]
-    assert pdl_options(4, 28672, 4096, 2)[0] == PDL_PREFETCH_K["rows"]
-    assert pdl_options(1, 4096, 4096, 4)[0] == 0 and pdl_options(1, 4096, 4096, 2, pdl=False)[0] == 0
 
 
 @pytest.mark.gpu
@@ -116,13 +114,32 @@ def test_pdl_ops_equal_plain_ops() -> None:
 
 @pytest.mark.gpu
 @needs_pdl
+def test_every_prefetch_window_and_preload_give_the_plain_result() -> None:
+    """Any value a retune may pick is safe: each allowed L2 prefetch window, with and without the preloaded first
+    chunk, gives bit for bit the plain launch's product (and so the reference's, within its tolerance); on a
+    one-row shape whose K (500) is shorter than most windows and not a multiple of BLOCK_K, so that the prefetch
+    is clamped to the row's end and the preloaded chunk masked, and on several rows (the tl.dot path), where the
+    tuned tables preload nothing."""
+    for rows, (n, k), fusion in ((1, (604, 500), "norm+residual"), (4, (600, 1100), "silu_mul+residual")):
+        args = gemv_args(rows, n, k, fusion, "cuda", torch.bfloat16, seed=rows)
+        plain = gemv(*args)
+        torch.testing.assert_close(plain.float(), gemv_reference(*args).float(), atol=4e-2, rtol=4e-2)
+        for prefetch_k in (0, *PREFETCH_CHOICES):
+            for preload in (False, True):
+                got = launch_gemv(*args, pdl=True, prefetch_k=prefetch_k, preload=preload)
+                assert torch.equal(got, plain), (rows, prefetch_k, preload)
+
+
+@pytest.mark.gpu
+@needs_pdl
 @pytest.mark.parametrize("lens", [[900, 17], [900]], ids=["batch2", "batch1"])
 def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
     """Four decoder-layer-shaped steps (qkv with RMSNorm and RoPE + K/V store, as two kernels or one; split-K
     decode; o with residual; the MLP's two gemvs), each kernel reading what the one before wrote: every replay's
     output and KV cache are bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with
-    PDL and without. At batch 1 the gemvs take their one-row launches, where qkv, o and down preload their first
-    weight chunk before the wait (kernels/gemv.py PDL_PRELOAD) and o launches before the merge's wait."""
+    PDL and without. At batch 1 the gemvs take their one-row launches, where those of the classes in
+    kernels/gemv.py PDL_PRELOAD preload their first weight chunk before the wait and o launches before the merge's
+    wait."""
     from framework.kv import KVPool
 
     hidden, heads, kv_heads, dim, inter, layers = 2048, 16, 4, 128, 4096, 4
@@ -136,8 +153,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
                 for shape in (((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim), (2 * inter, hidden),
                               (hidden, inter))] for _ in range(layers)]
     norms = [(torch.rand(hidden, generator=gen) + 0.5).to("cuda", torch.bfloat16) for _ in range(2)]
-    if len(lens) == 1:  # qkv, o and down take preloading one-row launches; gate_up does not
-        assert [pdl_options(1, *w.shape, 2)[1] for w in weights[0]] == [True, True, False, True]
+    if len(lens) == 1:  # the chain covers preloading launches (the classes in PDL_PRELOAD)
+        assert any(pdl_options(1, *w.shape, 2)[1] for w in weights[0])
     for t in [*norms, *(w for ws in weights for w in ws)]:
         torch._dynamo.mark_static_address(t)  # as the engine's parameters: not copied on every replay
     _, cos, sin, *_ = rope_args(2, heads, kv_heads, dim, "cuda", torch.bfloat16, seed=13)
