@@ -1,7 +1,7 @@
 """Compile the split-K partial kernel for sm_90 without a GPU (Triton's CUDA backend only) and print its register
 use and, after the PDL wait, the order of its global loads, shared-memory conversions and MMAs: where a decode
-program's memory round trips follow one another. The local Triton may differ from the GPU machine's (the H200's
-numbers: bench/probe_partial_regs.py).
+program's memory round trips follow one another. The local Triton may differ from the GPU machine's (there, a
+compiled kernel's ``n_regs`` and ``n_spills`` give the register count).
 
     python bench/partial_sass.py                # batch-1 decode tile (Llama-3-8B attention), with the JIT's hints
     python bench/partial_sass.py --no-hints     # without the divisibility hints: scalar loads, 255 registers

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup-s", type=float, default=1.0,
                     help="replay the forward for this long before measuring (it does not remove the 0.6-0.8%% "
-                         "by which a call's first run is often slower: docs/PERFORMANCE.md, fourteenth session)")
+                         "by which a call's first run is often slower: docs/PERFORMANCE.md, 8B decode step)")
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",

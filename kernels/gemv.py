@@ -37,7 +37,7 @@ PREFETCH_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096)  # the L2 prefetch wind
 # `python bench/tune_gemv.py --rows 1` on an H200 (docs/PERFORMANCE.md): the sweep's best for Llama-3-8B's qkv and
 # lm_head (no fusion: the final norm runs before the logits rows are picked); gate_up (RMSNorm fused in,
 # LATE_NORM) and down (SiLU-mul and residual fused in) from `--fused`. o_proj's from the 8B decode step with PDL
-# (twelfth session): with its preload it needs programs light enough to be resident during the attention; the
+# (2026-12-01): with its preload it needs programs light enough to be resident during the attention; the
 # sweep alone preferred (16, 1024, 4, 4) (3160 GB/s against 3038 for (8, 512, 4, 3)). The plain (non-PDL) launch
 # shares it, since the PDL and plain ops must agree bit for bit; the plain 8B step was not re-measured with it.
 # Several rows ("rows", the tl.dot path): one untuned configuration (the 8-row sweep has not run yet).
@@ -83,19 +83,19 @@ def _gemv_kernel(
 # PDL_PRELOAD), by launch class: 512, the 32-layer chain's best (`python bench/tune_gemv.py --rows 1 --chain-only`);
 # gate_up (very_wide) 1024, the 8B decode step's best (its programs launch while o_proj streams from registers and
 # L2: 3822-3825 us against 3827-3829 with 512, alternating; 2048 for gate_up, 1024-4096 for o_proj, 1024 for qkv
-# or down were slower: docs/PERFORMANCE.md, thirteenth session). A power of two from 64 to 4096 (PREFETCH_CHOICES);
-# a window past the row's end is clamped to its last line.
+# or down were slower: docs/PERFORMANCE.md, 8B decode step, 2026-12-01). A power of two from 64 to 4096
+# (PREFETCH_CHOICES); a window past the row's end is clamped to its last line.
 PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide": 1024}
 # launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
 # so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
 # which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_merge.py
 # MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
-# docs/PERFORMANCE.md, twelfth session).
+# docs/PERFORMANCE.md, 2026-12-01).
 PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
 # The weight stream's loads (tfs::gemv, tfs::qkv_rope_store, tfs::lm_head) at L2's evict-first priority: a step
 # reads each weight line once, so they leave room in L2 for what it reads again soon (the next kernel's prefetched
-# first columns, activations). 8B decode step 3801-3803 us instead of 3808-3810 (docs/PERFORMANCE.md, twenty-third
-# session; the PDL prefetches at evict-last on top gained nothing, and with evict-first, wider prefetch windows
+# first columns, activations). 8B decode step 3801-3803 us instead of 3808-3810 (docs/PERFORMANCE.md, 8B decode
+# step, 9b2492e; the PDL prefetches at evict-last on top gained nothing, and with evict-first, wider prefetch windows
 # were slower still)
 WEIGHT_EVICT_FIRST = True
 

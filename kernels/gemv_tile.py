@@ -94,7 +94,7 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
     rows of w ``offs_n`` ``[BLOCK_N]`` (any order), after :func:`gemv_prologue` (``w_first``: its preloaded chunk,
     used with ``PRELOAD``). Row ``m`` of x starts at ``X + x_rows[m]`` (``[BLOCK_M]`` element offsets; every
     caller passes ``m * stride``: a gathered row costs each program a round trip before its first x load,
-    docs/PERFORMANCE.md, nineteenth session). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
+    docs/PERFORMANCE.md, 8B decode step). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
     ``tfs::lm_head``."""
     tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math

@@ -6,7 +6,7 @@ an op has no lowering yet, inductor registers one on the spot ("implicit fallbac
 the op's arguments for a log line that is off by default: ``str()`` of each argument's IR node. An external kernel's
 text embeds its inputs' whole texts, so over a chain of custom ops where each layer's output feeds two ops (the next
 projection and the residual), the text doubles per layer. An op first met after 32 such layers (branch step-ends'
-own final-norm kernel) took longer than any timeout (seventeenth session: 2.7 M characters at 6 layers, 5.9 M at 7).
+own final-norm kernel) took longer than any timeout (2026-12-01: 2.7 M characters at 6 layers, 5.9 M at 7).
 Torch 2.13 formats that line lazily; tests/test_inductor_fallbacks.py reproduces the blow-up on torch 2.11's CPU.
 Registering the same fallback ahead of time skips that path; what inductor builds is unchanged (the same
 ``make_fallback`` call with the same layout constraint as its implicit path).

@@ -166,13 +166,13 @@ def _split_kv_partial_kernel(
 TARGET_PROGRAMS_PER_SM = {"decode": 4, "multi": 2}
 MIN_SPLIT_LEN = 64
 # dtype of the partial outputs between the two stages (their log-sum-exps stay float32); bf16 gained nothing
-# consistent (docs/PERFORMANCE.md, tenth session)
+# consistent (docs/PERFORMANCE.md, GPU attention kernels)
 PARTIAL_DTYPE = torch.float32
 # (BLOCK_N, num_warps, num_stages) of the partial kernel on CUDA, by tokens per request (1: decode, more: verify /
 # draft) and batch: up to SMALL_BATCH requests the grid is a few short splits whose time is latency (one key tile
 # or a few per program), where a loop without software pipelining wins; a verify at larger batches streams K/V and
 # wants the pipelined 128-key tiles. Decode takes 64-key tiles without pipelining at every batch since the split
-# count became a power of two (tenth session: 134.5 us against 151.3 for (128, 4, 2) at 32 x 4k, 2059 against
+# count became a power of two (2026-12-01: 134.5 us against 151.3 for (128, 4, 2) at 32 x 4k, 2059 against
 # 1995 at 64 x 32k). From sweeps with bench/tune_split_kv.py (docs/PERFORMANCE.md). The interpreter uses small
 # tiles.
 SMALL_BATCH = 8

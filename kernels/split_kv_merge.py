@@ -40,7 +40,7 @@ def split_kv_merge_kernel(
     # every split's slot is loaded at once with the request's length (one memory round trip, not two);
     # the slots of splits this request did not use hold stale values and are dropped by the where's below (reading
     # only the used splits, a few at a time and merged online, took 3.8 us in the 8B step instead of 2.3, and a
-    # 16-slot tile for requests of <= 16 splits 2.55: docs/PERFORMANCE.md, fourteenth and fifteenth sessions)
+    # 16-slot tile for requests of <= 16 splits 2.55: docs/PERFORMANCE.md, 8B decode step)
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
     if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
@@ -66,11 +66,11 @@ def split_kv_merge_kernel(
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, tenth session)
+REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, GPU attention kernels)
 # PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
 # lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
 # weight chunk (kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
-# (docs/PERFORMANCE.md, twelfth session). Not measured at larger batches or for verify, hence off there. Sound
+# (docs/PERFORMANCE.md, 8B decode step). Not measured at larger batches or for verify, hence off there. Sound
 # by kernels/pdl.py's rules: the next kernel then starts after every program of the partial kernel has started
 # (so after the kernel before the partial completed), reads before its wait nothing the partial writes, and its
 # wait returns after the merge completes, which is after the partial completes.

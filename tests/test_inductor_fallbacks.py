@@ -66,7 +66,7 @@ def test_compiled_chain_through_a_preregistered_opaque_op_matches_eager() -> Non
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_an_op_first_met_after_a_deep_chain_compiles() -> None:
     """Torch <= 2.12 formats an implicit fallback's arguments for a log line: without the registration, the tail op
-    after 40 layers would stringify ~2^40 nodes (seventeenth session: the 8B step's compile never ended). Torch 2.13
+    after 40 layers would stringify ~2^40 nodes (2026-12-01: the 8B step's compile never ended). Torch 2.13
     formats it lazily, so there this test checks only the compiled result."""
     register_inductor_fallbacks()
     x = torch.randn(2, 4) / 8
