@@ -1,5 +1,9 @@
 """``--set MODULE.NAME[.KEY]=VALUE`` for the benchmarks: override a module-level tuning constant (a Python literal)
-before anything is compiled, so that a sweep or an A/B runs on one commit."""
+before anything is compiled, so that a sweep or an A/B runs on one commit. Not run by itself; the scripts that take
+the option (bench_attention.py, profile_gpu_decode.py, partial_sass.py), e.g.
+
+    python3 bench/profile_gpu_decode.py --set kernels.split_kv_merge.REDUCE_NUM_WARPS=4 -- attention=triton
+"""
 
 from __future__ import annotations
 
