@@ -10,8 +10,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from framework.attention import ATTENTION_BACKENDS
-from framework.batch import ForwardMode
+from framework.batch import ForwardBatch, ForwardMode
 from framework.config import Config, ConfigError
+from framework.detokenizer import IncrementalDetokenizer
 from framework.kv import KVAllocator, KVPool
 from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
@@ -21,6 +22,7 @@ from framework.scheduler import ScheduledStep, Scheduler
 from framework.speculative import DRAFTERS
 from framework.speculative.worker import SpecWorker, spec_kv_width
 from framework.tokenizer import encode_prompt, load_tokenizer
+from framework.transfer import AsyncCopy
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def resolve_overlap(setting: str, device: torch.device, speculative: str) -> bool:
+    """``scheduler.overlap``: auto is on for CUDA unless a drafter runs (speculation has its own loop)."""
+    if setting == "auto":
+        if speculative != "none" and device.type == "cuda":
+            log.info("scheduler.overlap=auto: off, speculative=%s runs the synchronous loop", speculative)
+        return device.type == "cuda" and speculative == "none"
+    return setting == "on"
+
+
+@dataclass
+class Launched:
+    """A step whose forward and sampling are queued on the device: its tokens are on their way to the host."""
+
+    step: ScheduledStep
+    batch: ForwardBatch
+    tokens: AsyncCopy  # [bs] the sampled tokens (one per request; used where step.samples says so)
+    hidden: Optional[torch.Tensor] = None  # the forward's hidden states, kept for a drafter's on_prefill
 
 
 @dataclass
@@ -101,29 +122,38 @@ class Engine:
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
         pdl = resolve_pdl(config.compile.pdl, self.device)
+        compile_extend = compiled and self.device.type == "cuda" and config.compile.prefill and \
+            self.backend.compiles_extend
         self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
-                                  self.device, config.compile.skip_guards, pdl)
+                                  self.device, config.compile.skip_guards, pdl, compile_extend)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
-        self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.detokenize, self.device,
+        self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.new_detokenizer, self.device,
                                    reserve_tokens=max(1, self.spec_width))
+        self.overlap = resolve_overlap(sc.overlap, self.device, spec.name)
+        self._inflight: Optional[Launched] = None  # the launched step whose tokens the host has not taken yet
         if self.runner.stages_inputs:  # decode batches go straight into the CUDA graphs' static buffers
             self.scheduler.stage_inputs = self.runner.stage
         self.drafter = DRAFTERS.build(spec.name, self, spec)
         self.spec_worker = SpecWorker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
+        self.runner.warmup_extend([[5], [40], [3, 4], [20, 30]])
         if self.spec_worker is not None:
             self.runner.warmup(ForwardMode.TARGET_VERIFY, spec.num_draft_tokens)
             self.drafter.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s", self.startup_s,
-                 config.model.name, self.device, self.dtype, self.allocator.num_slots, config.kv.page_size,
-                 "reduce_overhead" if compiled else "eager")
+        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s, overlap=%s",
+                 self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
+                 config.kv.page_size, "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off")
 
     # ---- requests -------------------------------------------------------------------------------------
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def new_detokenizer(self) -> IncrementalDetokenizer:
+        """A detokenizer for one request whose text is needed while it grows (stop strings, streaming)."""
+        return IncrementalDetokenizer(self.tokenizer)
 
     def make_request(self, item: dict[str, Any], rid: Any = None) -> Request:
         """Validate and tokenize one request dict (``prompt`` or ``messages`` plus sampling fields).
@@ -179,7 +209,7 @@ class Engine:
         return self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def output(self, req: Request) -> RequestOutput:
         text = self.detokenize(req.output_ids)
@@ -197,32 +227,61 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one forward (prefill or decode) and return the requests that finished in it."""
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
-        if self.stats.first_admit_s is None:
-            self.stats.first_admit_s = time.perf_counter()
-        if step.mode is ForwardMode.DECODE and self.spec_worker is not None:
-            finished = self.spec_worker.step(step)
-        else:
-            finished = self.plain_step(step)
+        """Run one forward (prefill or decode) and return the requests that finished.
+
+        With ``scheduler.overlap`` the forward is launched before the previous step's tokens are taken from the
+        device: the requests returned are those that finished in the previous step, and the host's work on them
+        (stop checks, detokenization, the caller's streaming and admission) runs while the GPU computes."""
+        finished: list[Request] = []
+        step = self.scheduler.schedule(allow_preempt=self._inflight is None)
+        if step is None and self._inflight is not None:  # nothing can be planned before its tokens arrive
+            finished = self.drain()
+            step = self.scheduler.schedule()
+        if step is not None:
+            if self.stats.first_admit_s is None:
+                self.stats.first_admit_s = time.perf_counter()
+            if step.mode is ForwardMode.DECODE and self.spec_worker is not None:
+                finished += self.spec_worker.step(step)  # (never overlapped: see resolve_overlap)
+            elif self.overlap:
+                launched = self.launch(step)
+                finished += self.drain()
+                self._inflight = launched
+            else:
+                finished += self.complete(self.launch(step))
         if finished:
             self.stats.last_finish_s = time.perf_counter()
         return finished
 
-    def plain_step(self, step: ScheduledStep) -> list[Request]:
-        """One target forward for the step (prefill or decode), sample, apply; returns finished requests."""
+    def drain(self) -> list[Request]:
+        """Apply the launched step whose tokens the host has not taken yet (overlap); returns the requests that
+        finished in it. Afterwards the host's view of every request is exact."""
+        launched, self._inflight = self._inflight, None
+        return self.complete(launched) if launched is not None else []
+
+    def launch(self, step: ScheduledStep) -> Launched:
+        """Queue the step's target forward and sampling on the device and commit its positions; the sampled
+        tokens go to ``runner.next_tokens`` (for the next step's inputs) and, without blocking, to the host."""
         batch = self.scheduler.build_batch(step)
         logits, hidden = self.runner.forward(batch)
-        tokens = sample(logits, batch.sampling).tolist()
+        tokens = sample(logits, batch.sampling)
+        self.runner.next_tokens[batch.req_pool_indices] = tokens
+        self.scheduler.commit_launch(step)
+        return Launched(step, batch, AsyncCopy(tokens), hidden if self.drafter is not None else None)
+
+    def complete(self, launched: Launched) -> list[Request]:
+        """Take a launched step's tokens (waiting for them if they are not there yet) and apply them."""
+        step, tokens = launched.step, launched.tokens.numpy().tolist()
         if step.mode is ForwardMode.EXTEND and self.drafter is not None:
             # the root of a request whose prefill completes: the sampled token, or after a preemption's
             # re-prefill its last generated token
-            roots = [token if gets else (r.output_ids[-1] if r.kv_len + n >= r.prefill_target else None)
-                     for r, n, gets, token in zip(step.reqs, step.extend_lens, step.samples, tokens)]
-            self.drafter.on_prefill(batch, step, hidden, roots)
+            roots = [token if gets else (r.output_ids[-1] if r.prefilled else None)
+                     for r, gets, token in zip(step.reqs, step.samples, tokens)]
+            self.drafter.on_prefill(launched.batch, step, launched.hidden, roots)
         return self.scheduler.process(step, tokens)
+
+    def plain_step(self, step: ScheduledStep) -> list[Request]:
+        """One target forward for the step (prefill or decode), sample, apply; returns finished requests."""
+        return self.complete(self.launch(step))
 
     def generate(self, items: Iterable[dict[str, Any]],
                  on_finish: Optional[Callable[[RequestOutput], None]] = None) -> list[RequestOutput]:

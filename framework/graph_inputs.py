@@ -98,8 +98,11 @@ class StaticInputs:
         for a, size, real, dummy, c in zip(self.starts, self.sizes, ints, dummies, cut):
             self.host[a:a + c] = real
             self.host[a + c:a + size] = dummy[c:]
+        # NOTE: through a pinned copy of self.host, without blocking: self.host is free again at once, and the
+        # buffers are overwritten in stream order, after the graph launched before (which may still read them)
         with torch.inference_mode():  # the buffers may have been made in a forward, as inference tensors
-            self.packed.copy_(torch.from_numpy(self.host))  # a blocking copy: self.host is free again on return
+            host = torch.from_numpy(self.host)
+            self.packed.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         self.staged = (bs, dummy_len)
         return [*(buf[:c] for buf, c in zip(self.buffers, cut)), self.logits_index[:cut[0]]]
 

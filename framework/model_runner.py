@@ -24,6 +24,12 @@ from kernels.inductor_fallbacks import register_inductor_fallbacks
 log = logging.getLogger(__name__)
 
 
+def resolve_future_tokens(input_ids: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with each placeholder ``-1 - row`` replaced by ``next_tokens[row]``: the token that a launched
+    step sampled for that request, which the host has not seen yet (the overlapped loop's future map)."""
+    return torch.where(input_ids >= 0, input_ids, next_tokens[(-1 - input_ids).clamp(min=0)])
+
+
 def configure_dynamo() -> None:
     """One compiled graph per (mode, shape family) is expected; leave room for the captured batch sizes."""
     cfg = torch._dynamo.config
@@ -44,7 +50,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
                  batch_sizes: list[int], device: torch.device, skip_guards: bool = False,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, compile_extend: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -60,12 +66,20 @@ class ModelRunner:
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
         self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs
         model.set_attention_backend(backend)
+        # [req_to_token rows] the latest token sampled for each request row, written on the device after every
+        # sampling: the inputs of a step launched before the last one's tokens reached the host read it
+        self.next_tokens = torch.zeros(backend.allocator.req_to_token.shape[0], dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            torch._dynamo.mark_static_address(self.next_tokens)  # read inside graphs, written outside them
         self._compiled_forward = None
+        self._compiled_extend = None  # EXTEND (ragged prefill): inductor with dynamic sizes, no CUDA graphs
         if compiled:
             configure_dynamo()
             register_inductor_fallbacks()  # before inductor meets an opaque tfs op deep in the graph: see that module
             if device.type == "cuda":
                 self._compiled_forward = torch.compile(self._forward, mode="reduce-overhead", fullgraph=True)
+                if compile_extend:
+                    self._compiled_extend = torch.compile(self._extend_forward, dynamic=True, fullgraph=True)
             else:
                 # NOTE: there are no CUDA graphs on the CPU; freezing instead lets inductor constant-fold the
                 # weights and pre-pack them for the CPU GEMM library (measured: 1.4x faster decode at batch 8)
@@ -80,7 +94,35 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  logits_index: torch.Tensor, extra: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states)."""
+        input_ids = resolve_future_tokens(input_ids, self.next_tokens)
         return self.model(input_ids, positions, meta, logits_index, extra)
+
+    def _extend_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward` under a code object of its own, so that dynamo keeps its compiled entries apart from
+        the CUDA-graph ones."""
+        return self._forward(*args)
+
+    @torch.inference_mode()
+    def warmup_extend(self, lens_list: list[list[int]]) -> None:
+        """Compile the prefill graph ahead of serving for batches of ``lens`` new tokens per request (dynamo
+        specialises a few size classes: one request or several, one token or several, up to 16 tokens or more)."""
+        if self._compiled_extend is None:
+            return
+        dev = self.device
+        limit = self.backend.allocator.req_to_token.shape[1]  # positions a request may have
+        for lens in lens_list:
+            lens = [min(k, limit) for k in lens]
+            n = sum(lens)
+            zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+            batch = ForwardBatch(
+                mode=ForwardMode.EXTEND, input_ids=zeros,
+                positions=torch.cat([torch.arange(k, device=dev) for k in lens]),
+                out_cache_loc=torch.full_like(zeros, DUMMY_SLOT),
+                req_pool_indices=torch.full((len(lens),), DUMMY_ROW, dtype=torch.int64, device=dev),
+                seq_lens=lens_t, seq_lens_cpu=list(lens), extend_lens_cpu=list(lens),
+                logits_index=lens_t.cumsum(0) - 1)
+            self.forward(batch)
 
     @torch.inference_mode()
     def warmup(self, mode: ForwardMode, q_len: int, layer_ids: Any = None) -> None:
@@ -172,8 +214,11 @@ class ModelRunner:
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         if not (self.compiled and batch.mode.uniform):
             batch.attn = self.backend.init_metadata(batch)
+            forward = self._forward
+            if batch.mode is ForwardMode.EXTEND and self._compiled_extend is not None and extra is None:
+                forward = self._compiled_extend
             with guarded_if_skipping():  # (a backend may compile parts of its eager path)
-                return self._forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
+                return forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
         padded = self.pad(batch)
         padded.attn = self.backend.init_metadata(padded)
         # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured

@@ -9,16 +9,18 @@ from typing import Any, Optional
 from framework.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds a request in its queues by the object itself
 class Request:
     rid: Any  # the caller's id (JSONL "id", HTTP request id)
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     max_new_tokens: int  # max_tokens clamped so that prompt + output fits the context window
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # generated tokens the host has
+    # tokens sampled by launched forwards that the host does not have yet (the overlapped loop runs one step ahead)
+    num_pending: int = 0
     row: int = -1  # req_to_token row while the request holds KV
-    kv_len: int = 0  # tokens whose K/V are committed in the pool
+    kv_len: int = 0  # positions whose K/V are in the pool or written by a launched forward
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_text_len: Optional[int] = None  # text is cut here when a stop string matched
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -27,12 +29,18 @@ class Request:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0  # tokens emitted by verify steps, bonus included
     drafter_state: Any = None  # the drafter's per-request state (n-gram index, draft KV length, ...)
+    detokenizer: Any = None  # IncrementalDetokenizer while the text is needed as it grows (stop strings, streaming)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, those still on their way to the host included."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def prefill_target(self) -> int:
         """Tokens whose K/V must be in the pool before decoding: the prompt, plus, after a preemption, every
         generated token but the last (which is the next decode input)."""
-        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+        return len(self.prompt_ids) + max(0, self.num_generated - 1)
 
     @property
     def prefilled(self) -> bool:

@@ -1,9 +1,16 @@
 """Scheduler: waiting/running queues, continuous batching, admission by free KV, ForwardBatch building, and
-applying sampled tokens (finish on EOS, stop tokens, stop strings, length)."""
+applying sampled tokens (finish on EOS, stop tokens, stop strings, length).
+
+NOTE: with the overlapped engine loop the scheduler plans step N+1 before step N's tokens reach the host. A
+launched step's positions count at once (``Request.kv_len``; :meth:`Scheduler.commit_launch`) and its sampled
+tokens as ``Request.num_pending``; a decode input whose token the host lacks is the placeholder ``-1 - row``,
+which the forward replaces on the device with the row's latest sampled token (``ModelRunner.next_tokens``).
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -13,8 +20,10 @@ import torch
 
 from framework.batch import ForwardBatch, ForwardMode, SamplingBatch
 from framework.config import SchedulerConfig
+from framework.detokenizer import IncrementalDetokenizer, find_stop
 from framework.kv import KVAllocator
 from framework.request import Request
+from framework.transfer import upload
 
 
 @dataclass
@@ -27,6 +36,12 @@ class ScheduledStep:
     samples: list[bool]  # whether request i gets a new token from this forward (a finished prefill or decode)
 
 
+def future_token(req: Request) -> int:
+    """The input id of ``req``'s next position: its last token, or the placeholder ``-1 - row`` while that token
+    is still on its way to the host (the forward reads it from the device)."""
+    return -1 - req.row if req.num_pending else req.output_ids[-1]
+
+
 class Scheduler:
     """Prefill first (chunked to ``max_prefill_tokens``), otherwise one decode step for every running request.
 
@@ -36,11 +51,12 @@ class Scheduler:
     """
 
     def __init__(self, cfg: SchedulerConfig, allocator: KVAllocator, eos_ids: set[int],
-                 detokenize: Callable[[list[int]], str], device: torch.device, reserve_tokens: int = 1) -> None:
+                 new_detokenizer: Callable[[], IncrementalDetokenizer], device: torch.device,
+                 reserve_tokens: int = 1) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.eos_ids = eos_ids
-        self.detokenize = detokenize
+        self.new_detokenizer = new_detokenizer
         self.device = device
         self.reserve_tokens = reserve_tokens
         self.waiting: collections.deque[Request] = collections.deque()
@@ -48,9 +64,12 @@ class Scheduler:
         self.num_preemptions = 0
         # ModelRunner.stage, set by the engine: a decode batch's inputs written into the graph's static buffers
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
+        self._sampling: Optional[tuple[list[Request], list[int], SamplingBatch]] = None  # the last one built
 
     # ---- queues ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if req.params.stop and req.detokenizer is None:  # stop strings are searched for in the growing text
+            req.detokenizer = self.new_detokenizer()
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -91,22 +110,33 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Retract a running request: free its KV and queue it first; it re-runs from prompt + generated tokens
         (the re-prefill covers every generated token but the last), so nothing is lost."""
+        assert not req.num_pending, "a request is preempted only once the host has all of its tokens"
         self.running.remove(req)
         self.allocator.free_request(req.row)
         req.row, req.kv_len = -1, 0
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self) -> Optional[ScheduledStep]:
+    def _decodable(self) -> list[Request]:
+        """Running requests whose next step is a decode: prefilled, and not already given their last token by a
+        launched step (such a request finishes when the host gets that token)."""
+        return [r for r in self.running if r.prefilled and r.num_generated < r.max_new_tokens]
+
+    def schedule(self, allow_preempt: bool = True) -> Optional[ScheduledStep]:
         """Pick the next forward: EXTEND if prompt tokens are pending or a waiting request fits, else DECODE for
-        every prefilled request, preempting the newest requests when the pool cannot hold their next step."""
+        every prefilled request, preempting the newest requests when the pool cannot hold their next step.
+
+        ``allow_preempt=False`` (a launched step's tokens are not on the host yet): where a preemption would be
+        needed, or nothing can run until those tokens arrive, return None instead."""
         step = self._extend()
         if step is not None:
             return step
-        decoding = [r for r in self.running if r.prefilled]
+        decoding = self._decodable()
         # preempt the newest while the decode step's pages do not fit, or while nothing can run at all (chunked
         # prefills holding the pages each other need)
         while len(self.running) > 1 and (not decoding or self._step_pages(decoding) > self.allocator.num_free_pages):
+            if not allow_preempt:
+                return None
             victim = self.running[-1]  # the newest
             self.preempt(victim)
             if victim in decoding:
@@ -130,6 +160,12 @@ class Scheduler:
                 free -= self._pages_for_next(req, n)
                 reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
                 budget -= n
+        if self.cfg.mixed_prefill and reqs:  # the decoding requests ride along, one token each
+            chunked = set(map(id, reqs))
+            for req in self._decodable():
+                if id(req) not in chunked and budget > 0:
+                    reqs.append(req), lens.append(1), samples.append(True)
+                    budget -= 1
         # admission: the new prompt's pages must fit next to what running requests need for their next step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
@@ -149,7 +185,7 @@ class Scheduler:
     def _samples(req: Request, n: int) -> bool:
         """A prefill chunk samples a token when it completes a fresh request's prompt (a re-prefill after a
         preemption already has its next token)."""
-        return req.kv_len + n == req.prefill_target and not req.output_ids
+        return req.kv_len + n == req.prefill_target and not req.num_generated
 
     # ---- batch building -------------------------------------------------------------------------------
     def build_batch(self, step: ScheduledStep) -> ForwardBatch:
@@ -158,12 +194,13 @@ class Scheduler:
         starts = [r.kv_len for r in reqs]
         ends = [s + n for s, n in zip(starts, lens)]
         out_cache_loc = self.allocator.assign([r.row for r in reqs], starts, ends)
-        if step.mode is ForwardMode.EXTEND:
-            ids = np.concatenate([np.asarray(r.token_slice(s, e), dtype=np.int64) for r, s, e in zip(reqs, starts, ends)])
+        if step.mode is ForwardMode.EXTEND:  # (a decoding request in a mixed step: its one next position)
+            ids = np.concatenate([np.asarray([future_token(r)] if r.prefilled else r.token_slice(s, e), dtype=np.int64)
+                                  for r, s, e in zip(reqs, starts, ends)])
             positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
             logits_index = np.cumsum(lens) - 1
         else:
-            ids = np.asarray([r.output_ids[-1] for r in reqs], dtype=np.int64)
+            ids = np.asarray([future_token(r) for r in reqs], dtype=np.int64)
             positions = np.asarray(starts, dtype=np.int64)
             logits_index = np.arange(len(reqs))
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
@@ -175,7 +212,7 @@ class Scheduler:
             input_ids, positions_t, out_cache_loc, rows_t, seq_lens, logits_index_t = staged
         else:
             parts = [ids, positions, rows, np.asarray(ends, dtype=np.int64), logits_index]
-            packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
+            packed = upload(np.concatenate(parts).astype(np.int64), self.device)
             views, offset = [], 0
             for part in parts:
                 views.append(packed[offset: offset + len(part)])
@@ -187,27 +224,46 @@ class Scheduler:
             logits_index=logits_index_t, sampling=self.sampling_batch(reqs),
         )
 
-    def sampling_batch(self, reqs: list[Request], steps: Optional[list[int]] = None) -> SamplingBatch:
-        """Device tensors of the requests' sampling parameters; ``steps`` defaults to each one's output length."""
-        temps = [r.params.temperature for r in reqs]
-        all_greedy = all(t == 0 for t in temps)
-        need_filter = any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs if r.params.temperature > 0)
-        steps = [len(r.output_ids) for r in reqs] if steps is None else steps
-        ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed for r in reqs], steps], dtype=torch.int64)
-        floats = torch.tensor([temps, [r.params.top_p for r in reqs]], dtype=torch.float32)
-        ints, floats = ints.to(self.device), floats.to(self.device)
-        return SamplingBatch(temperatures=floats[0], top_ps=floats[1], top_ks=ints[0], seeds=ints[1], steps=ints[2],
-                             all_greedy=all_greedy, need_top_k_top_p=need_filter)
+    def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        """Device tensors of the requests' sampling parameters and the index of the token each samples next.
+
+        They stay on the device while the batch's requests stay the same: only the indices are uploaded again,
+        and not even they for an all-greedy batch (greedy sampling does not read them)."""
+        steps = [r.num_generated for r in reqs]
+        last = self._sampling
+        if last is not None and len(last[0]) == len(reqs) and all(a is b for a, b in zip(last[0], reqs)):
+            batch = last[2]
+            if not batch.all_greedy and steps != last[1]:
+                batch = dataclasses.replace(batch, steps=upload(np.asarray(steps, dtype=np.int64), self.device))
+        else:
+            temps = [r.params.temperature for r in reqs]
+            need_filter = any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs if r.params.temperature > 0)
+            ints = upload(np.asarray([[r.params.top_k for r in reqs], [r.seed for r in reqs], steps], dtype=np.int64),
+                          self.device)
+            floats = upload(np.asarray([temps, [r.params.top_p for r in reqs]], dtype=np.float32), self.device)
+            batch = SamplingBatch(temperatures=floats[0], top_ps=floats[1], top_ks=ints[0], seeds=ints[1],
+                                  steps=ints[2], all_greedy=all(t == 0 for t in temps), need_top_k_top_p=need_filter)
+        self._sampling = (list(reqs), steps, batch)
+        return batch
+
+    def commit_launch(self, step: ScheduledStep) -> None:
+        """A launched step's positions count at once; the tokens it samples are pending until :meth:`process`."""
+        for req, n, gets_token in zip(step.reqs, step.extend_lens, step.samples):
+            req.kv_len += n
+            req.num_pending += gets_token
 
     # ---- results --------------------------------------------------------------------------------------
     def process(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
-        """Commit the step's KV, append sampled tokens (``tokens[i]`` for request i), and finish requests.
-        Returns the requests that finished."""
+        """Append a committed step's sampled tokens (``tokens[i]`` for request i) and finish requests; a request
+        that finished (or was aborted) after the step was launched drops its token. Returns the requests that
+        finished."""
         finished = []
         now = time.perf_counter()
-        for req, n, gets_token, token in zip(step.reqs, step.extend_lens, step.samples, tokens):
-            req.kv_len += n
-            if not gets_token or req.finished:
+        for req, gets_token, token in zip(step.reqs, step.samples, tokens):
+            if not gets_token:
+                continue
+            req.num_pending -= 1
+            if req.finished:
                 continue
             if req.first_token_s is None:
                 req.first_token_s = now
@@ -229,11 +285,11 @@ class Scheduler:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             return "stop"
-        if p.stop:
-            text = self.detokenize(req.output_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                req.stop_text_len = min(hits)
+        if req.detokenizer is not None:
+            piece = req.detokenizer.add(token)
+            at = find_stop(req.detokenizer.text, len(piece), p.stop)
+            if at is not None:
+                req.stop_text_len = at
                 return "stop"
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"

@@ -56,6 +56,7 @@ def greedy_with_logits(engine, prompts: list[list[int]], max_tokens: int) -> lis
         step = engine.scheduler.schedule()
         batch = engine.scheduler.build_batch(step)
         logits, _ = engine.runner.forward(batch)
+        engine.scheduler.commit_launch(step)
         logits = logits.float().cpu()
         for row, (req, gets) in enumerate(zip(step.reqs, step.samples)):
             if gets:

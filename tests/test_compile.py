@@ -50,6 +50,7 @@ def test_padding_keeps_the_callers_batch(compiled):
     for p in PROMPTS[:3]:
         engine.submit(engine.make_request({"prompt": p, "max_tokens": 4}))
     engine.step()  # prefill
+    engine.drain()
     step = engine.scheduler.schedule()
     batch = engine.scheduler.build_batch(step)
     raw_sum, raw_lens = batch.seq_lens_sum, batch.seq_lens.clone()
@@ -60,6 +61,7 @@ def test_padding_keeps_the_callers_batch(compiled):
     logits, _ = engine.runner.forward(batch)
     assert logits.shape[0] == 3
     assert batch.seq_lens_sum == raw_sum and torch.equal(batch.seq_lens, raw_lens) and batch.padded_bs == 3
+    engine.scheduler.commit_launch(step)
     engine.scheduler.process(step, logits.argmax(-1).tolist())
     while engine.has_work():
         engine.step()
@@ -77,6 +79,7 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
     for p in PROMPTS[:3]:
         engine.submit(engine.make_request({"prompt": p, "max_tokens": 4}))
     engine.step()  # prefill
+    engine.drain()
     step = engine.scheduler.schedule()
     plain = engine.scheduler.build_batch(step)
     with torch.inference_mode():  # as the runner makes them, in a forward
@@ -95,6 +98,7 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
     static.fill(plain, 1)
     assert not static.holds(staged, 1)
     logits, _ = engine.runner.forward(plain)
+    engine.scheduler.commit_launch(step)
     engine.scheduler.process(step, logits.argmax(-1).tolist())
     while engine.has_work():
         engine.step()

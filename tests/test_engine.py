@@ -96,7 +96,7 @@ def test_small_kv_pool_queues_requests(solo_outputs):
     llm = LLM(TINY + ["scheduler.max_context=64", "kv.max_total_tokens=72", "kv.page_size=4"])
     scheduler, peak = llm.engine.scheduler, []
     schedule = scheduler.schedule
-    scheduler.schedule = lambda: (peak.append((len(scheduler.running), len(scheduler.waiting))), schedule())[1]
+    scheduler.schedule = lambda **kw: (peak.append((len(scheduler.running), len(scheduler.waiting))), schedule(**kw))[1]
     outs = llm.generate(reqs())
     assert [o.token_ids for o in outs] == solo_outputs
     assert max(r for r, _ in peak) < len(PROMPTS) and any(w and r for r, w in peak)
@@ -200,7 +200,7 @@ def test_chunked_prefills_holding_each_others_pages_preempt_the_newer():
 
     alloc = KVAllocator(64, 16, 4, 64, torch.device("cpu"))  # 4 pages
     sched = Scheduler(SchedulerConfig(max_prefill_tokens=64, max_running_requests=4, max_context=64), alloc, set(),
-                      lambda ids: "", torch.device("cpu"))
+                      lambda: None, torch.device("cpu"))
     old, new = (Request(rid=i, prompt_ids=[1] * 40, params=SamplingParams(), seed=0, max_new_tokens=8)
                 for i in range(2))
     for req in (old, new):  # each holds 2 of the 4 pages, 32 of its 40 prompt tokens in them

@@ -99,6 +99,7 @@ def test_staged_decode_inputs_need_no_copy_and_equal_copied_ones(monkeypatch):
         for text in TEXTS[:n_reqs]:
             engine.submit(engine.make_request({"prompt": text, "max_tokens": 4}))
         engine.step()  # prefill
+        engine.drain()
         step = engine.scheduler.schedule()
         assert step.mode is ForwardMode.DECODE and len(step.reqs) == n_reqs
         staged = engine.scheduler.build_batch(step)
@@ -113,6 +114,7 @@ def test_staged_decode_inputs_need_no_copy_and_equal_copied_ones(monkeypatch):
         assert not fills  # nothing copied: the inputs were in place
         again, _ = engine.runner.forward(copied)  # the same token's K/V written again: the same values
         assert fills and torch.equal(logits, again)
+        engine.scheduler.commit_launch(step)
         engine.scheduler.process(step, logits.argmax(-1).tolist())
         while engine.has_work():
             engine.step()

@@ -31,7 +31,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
+    """NOTE: with the overlapped loop (as on a GPU), against offline references without it (``tiny_llm``)."""
     config = compose(TINY + ["run=server", "scheduler.max_running_requests=8", "scheduler.max_context=1024",
+                             "scheduler.overlap=on",
                              f"run.api_key={KEY}", f"run.served_model_name={MODEL}"])
     with ServerThread(config) as srv:
         yield srv

@@ -20,6 +20,9 @@ class AttentionBackend:
 
     name = "base"
     pdl = False  # set by the model runner (compile.pdl): backends with PDL kernel variants launch them
+    # EXTEND metadata made of tensors and sizes only (no per-request host lists inside forward): a ragged prefill
+    # can run as one compiled graph with dynamic token and request counts
+    compiles_extend = False
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:

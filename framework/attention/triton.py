@@ -51,6 +51,7 @@ class TritonBackend(AttentionBackend):
     """Paged attention with Triton kernels; on the CPU only under ``TRITON_INTERPRET=1`` (tests)."""
 
     name = "triton"
+    compiles_extend = True
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:

@@ -90,6 +90,12 @@ def validate(config: Config) -> None:
     _check("scheduler.max_running_requests", sc.max_running_requests, sc.max_running_requests >= 1, "an integer >= 1")
     _check("scheduler.max_context", sc.max_context, sc.max_context >= 2, "an integer >= 2")
     _check("scheduler.max_prefill_tokens", sc.max_prefill_tokens, sc.max_prefill_tokens >= 1, "an integer >= 1")
+    _choice("scheduler.overlap", sc.overlap, ["auto", "on", "off"])
+    if config.speculative.name != "none":  # speculation runs its own synchronous loop (the v1 path)
+        _check("scheduler.overlap", sc.overlap, sc.overlap != "on",
+               f"auto or off with speculative={config.speculative.name} (speculation runs the synchronous loop)")
+        _check("scheduler.mixed_prefill", sc.mixed_prefill, not sc.mixed_prefill,
+               f"false with speculative={config.speculative.name} (verify steps do not take prefill chunks)")
     _choice("run.name", config.run.name, JOBS.names())
     _choice("log_level", config.log_level, ["DEBUG", "INFO", "WARNING", "ERROR"])
 

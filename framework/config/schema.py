@@ -71,6 +71,9 @@ class CompileConfig:
     # programmatic dependent launch of a compiled model's Triton kernels (kernels/pdl.py): auto (on where supported:
     # CUDA compute capability >= 9.0 and a Triton with grid dependency control) | on | off
     pdl: str = "auto"
+    # compiled forwards on CUDA: prefill (EXTEND) too, as one inductor graph with dynamic sizes (no CUDA graphs),
+    # where the attention backend's prefill metadata allows it (attention=triton)
+    prefill: bool = True
 
 
 @dataclass
@@ -106,6 +109,9 @@ class SchedulerConfig:
     max_running_requests: int = 16
     max_context: int = 2048  # prompt + output tokens per request; capped by the model's window
     max_prefill_tokens: int = 2048  # tokens per EXTEND forward; longer prompts are chunked
+    # the host plans and launches step N+1 before step N's tokens reach it: auto (on for CUDA, without a drafter)
+    overlap: str = "auto"
+    mixed_prefill: bool = False  # decoding requests join prefill steps (one token each) instead of waiting
 
 
 @dataclass

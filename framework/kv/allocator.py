@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from framework.transfer import upload
+
 DUMMY_ROW = 0
 DUMMY_SLOT = 0
 
@@ -30,6 +32,8 @@ class KVAllocator:
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))  # pop() hands out low pages first
         self._free_rows: list[int] = list(range(max_requests, 0, -1))
         self._pages: dict[int, list[int]] = {}
+        # [max_requests + 1, pages per row] the pages of each row in order (valid up to len(_pages[row]))
+        self._page_table = np.zeros((max_requests + 1, -(-max_context // page_size)), dtype=np.int64)
         # [max_requests + 1, max_context] slot of each (request row, position); row 0 = the dummy request
         self.req_to_token = torch.zeros(max_requests + 1, max_context, dtype=torch.int64, device=device)
         self.req_to_token_host = np.zeros((max_requests + 1, max_context), dtype=np.int64)
@@ -82,21 +86,21 @@ class KVAllocator:
         need = sum(max(0, self.pages_for(e) - len(self._pages[r])) for r, e in zip(rows, ends))
         if need > len(self._free_pages):
             raise MemoryError(f"KV pool exhausted: need {need} pages, {len(self._free_pages)} free")
-        all_rows, all_cols = [], []
-        for row, start, end in zip(rows, starts, ends):
+        for row, end in zip(rows, ends):
             pages = self._pages[row]
             while len(pages) < self.pages_for(end):
-                pages.append(self._free_pages.pop())
-            cols = np.arange(start, end)
-            page_ids = np.asarray(pages, dtype=np.int64)[cols // self.page_size]
-            self.req_to_token_host[row, start:end] = page_ids * self.page_size + cols % self.page_size
-            all_rows.append(np.full(end - start, row, dtype=np.int64))
-            all_cols.append(cols)
-        rows_np = np.concatenate(all_rows) if all_rows else np.zeros(0, dtype=np.int64)
-        cols_np = np.concatenate(all_cols) if all_cols else np.zeros(0, dtype=np.int64)
-        slots_np = self.req_to_token_host[rows_np, cols_np]
+                self._page_table[row, len(pages)] = page = self._free_pages.pop()
+                pages.append(page)
+        # every position at once: row and column of each token, its page from the table, its slot
+        lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        rows_np = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+        firsts = np.cumsum(lens) - lens  # flat index of each row's first token
+        cols_np = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - firsts,
+                                                                          lens)
+        slots_np = self._page_table[rows_np, cols_np // self.page_size] * self.page_size + cols_np % self.page_size
+        self.req_to_token_host[rows_np, cols_np] = slots_np
         # one host->device copy of (row, col, slot) triples, then one scatter into the table
-        packed = torch.from_numpy(np.stack([rows_np, cols_np, slots_np])).to(self.device, non_blocking=True)
+        packed = upload(np.stack([rows_np, cols_np, slots_np]), self.device)
         self.req_to_token[packed[0], packed[1]] = packed[2]
         return packed[2]
 

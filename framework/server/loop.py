@@ -202,6 +202,8 @@ class EngineLoop:
 
     def _admit(self, sub: _Submission) -> None:
         req = sub.request
+        if sub.parsed.stream:  # its text is needed as it grows
+            req.detokenizer = self.engine.new_detokenizer()
         self.engine.submit(req)
         self._live[sub.rid] = _Live(sub, req, TextDeltas(req.params.stop) if sub.parsed.stream else None)
         self.metrics.on_accept(len(req.prompt_ids))
@@ -236,7 +238,7 @@ class EngineLoop:
                 del self._live[rid]
                 self._finish(live)
             elif grew and live.deltas is not None:
-                delta = live.deltas.update(self.engine.detokenize(req.output_ids))
+                delta = live.deltas.update(req.detokenizer.text)
                 if delta:
                     self._outbox.add(live.sub, Event("delta", text=delta))
         self.metrics.on_tokens(new_tokens)

@@ -1,9 +1,10 @@
 """Streaming text deltas: what of a request's decoded output may be sent to the client so far.
 
-The whole output is decoded after each step and diffed against what was already sent. Two kinds of tail are held
-back until more tokens arrive: trailing U+FFFD characters (a multi-byte UTF-8 character whose remaining bytes are
-in tokens not generated yet) and any tail that could be the start of a stop string (if the stop string completes,
-the final text is cut before it, and text already sent cannot be taken back).
+The request's text grows with each step (its :class:`~framework.detokenizer.IncrementalDetokenizer`); what lies
+beyond the text already sent is the delta. Two kinds of tail are held back until more tokens arrive: trailing
+U+FFFD characters (a multi-byte UTF-8 character whose remaining bytes are in tokens not generated yet) and any tail
+that could be the start of a stop string (if the stop string completes, the final text is cut before it, and text
+already sent cannot be taken back). Only the tail is examined: the work per step does not grow with the text.
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ class TextDeltas:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = list(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
         self.sent = ""
 
     def update(self, text: str) -> str:
-        """The part of ``text`` (the decoded output so far) that is safe to send now."""
-        safe = text.rstrip(REPLACEMENT_CHAR)
-        safe = safe[: len(safe) - stop_prefix_len(safe, self.stops)]
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
-            # NOTE: nothing new, or decoding changed text already sent (it can when a later token merges with
-            # an earlier one); wait: the final text settles it.
+        """The part of ``text`` (the output's text so far, which extends the text of earlier calls) that is safe
+        to send now."""
+        end = len(text)
+        while end > len(self.sent) and text[end - 1] == REPLACEMENT_CHAR:
+            end -= 1
+        end -= stop_prefix_len(text[max(0, end - self.longest):end], self.stops)
+        if end <= len(self.sent):
             return ""
-        delta = safe[len(self.sent):]
-        self.sent = safe
+        delta = text[len(self.sent):end]
+        self.sent += delta
         return delta
 
     def finish(self, final_text: str) -> str:

@@ -64,8 +64,9 @@ class Drafter:
 
     def on_prefill(self, batch: "ForwardBatch", step: "ScheduledStep", hidden: torch.Tensor,
                    roots: list[Optional[int]]) -> None:
-        """After a target EXTEND forward (``hidden`` [num_tokens, hidden]); ``roots[i]`` is request i's next
-        decode input when this chunk completes its prefill, else None."""
+        """After a target EXTEND forward (``hidden`` [num_tokens, hidden]), its positions already committed
+        (``req.kv_len`` includes the chunk); ``roots[i]`` is request i's next decode input when this chunk completes
+        its prefill, else None."""
 
     def warmup(self) -> None:
         """Compile the drafter's own graphs ahead of serving (model drafters)."""

@@ -64,8 +64,8 @@ class DraftModelDrafter(ModelDrafter):
 
     def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
         self.runner.forward(batch)  # the same prompt chunk into the draft pool, at the same slots
-        for req, n in zip(step.reqs, step.extend_lens):
-            req.drafter_state = req.kv_len + n
+        for req in step.reqs:
+            req.drafter_state = req.kv_len  # (the chunk's positions are committed already)
 
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
         starts = [r.drafter_state for r in ctx.reqs]

@@ -119,7 +119,7 @@ class EagleDrafter(ModelDrafter):
         reqs, rows, starts, ids, hiddens = [], [], [], [], []
         offset = 0
         for req, n, root in zip(step.reqs, step.extend_lens, roots):
-            s = req.kv_len
+            s = req.kv_len - n  # the chunk's first position (its positions are committed already)
             chunk = hidden[offset: offset + n]
             offset += n
             state = req.drafter_state

