@@ -2,6 +2,7 @@
 
     python3 bench/e2e.py                                   # the default cases, overlap on and off
     python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
+    python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -25,8 +26,11 @@ About 1-2 minutes per 8B case (compilation included) and 30 s per SmolLM2 case o
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -85,7 +89,8 @@ def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
                            "run.progress=false", *extra]))
 
 
-def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int) -> dict:
+def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
+             profile: int = 0) -> dict:
     items = case_items(name, batch, new_tokens, repeat)
     engine.scheduler.cfg.max_running_requests = batch
     engine.overlap = overlap == "on"
@@ -93,7 +98,16 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
     launches = []
     launch = engine.launch
     engine.launch = lambda step: launches.append(step.mode.name) or launch(step)  # count the job's forwards
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
     outputs = generate_items(engine, items, progress=False)
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+        print(f"--- {name}:{batch} overlap {overlap}: host functions by own time (cProfile slows the host)\n"
+              + text.getvalue().split("\n\n", 1)[-1].strip(), flush=True)
     del engine.launch
     summary = metrics(engine, outputs)
     errors = [o.error for o in outputs if o.finish_reason == "error"]
@@ -119,6 +133,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per request of the random-weight cases")
     ap.add_argument("--repeat", type=int, default=4, help="copies of the grounded prompts for the smollm2 cases")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="run each job under cProfile and print its top N host functions (the job's numbers then "
+                         "include the profiler's cost)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -134,7 +151,8 @@ def main() -> None:
         for batch in [b for n, b in cases if n == name]:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
-                rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat))
+                rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
+                                     args.profile))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del engine
         torch.cuda.empty_cache()

@@ -122,7 +122,13 @@ class ModelRunner:
                 req_pool_indices=torch.full((len(lens),), DUMMY_ROW, dtype=torch.int64, device=dev),
                 seq_lens=lens_t, seq_lens_cpu=list(lens), extend_lens_cpu=list(lens),
                 logits_index=lens_t.cumsum(0) - 1)
-            self.forward(batch)
+            try:
+                self.forward(batch)
+            except Exception as err:  # noqa: BLE001 - a compiler failure must not stop serving: prefill runs eagerly
+                log.warning("compile.prefill: compiling the prefill graph failed, prefill runs eagerly: %s",
+                            " ".join(str(err).split())[:300])
+                self._compiled_extend = None
+                return
 
     @torch.inference_mode()
     def warmup(self, mode: ForwardMode, q_len: int, layer_ids: Any = None) -> None:

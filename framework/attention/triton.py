@@ -42,6 +42,7 @@ class TritonMetadata:
     custom_mask: Optional[torch.Tensor] = None  # [bs, q_len, mask_width] over each request's last keys: uint8 0 / 1,
     # or the batch's bool mask when mask_bits holds it
     mask_bits: Optional[torch.Tensor] = None  # [bs, q_len] int64: custom_mask packed, bit i = key i (width <= 64)
+    uniform: bool = True  # False for EXTEND: the model's fused decode path does not apply
     q_starts: Optional[torch.Tensor] = None  # EXTEND: [bs] first flat token of each request
     q_lens: Optional[torch.Tensor] = None  # EXTEND: [bs] new tokens of each request
 
@@ -112,7 +113,7 @@ class TritonBackend(AttentionBackend):
             starts[i] = starts[i - 1] + lens[i - 1]
         packed = torch.tensor(starts + lens, dtype=torch.int64).to(batch.input_ids.device, non_blocking=True)
         return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, max(lens),
-                              self.policy(1), q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
+                              self.policy(1), uniform=False, q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
 
     def dynamic_dims(self, meta: TritonMetadata) -> list[tuple[torch.Tensor, int]]:
         dims = [(meta.out_cache_loc, 0), (meta.req_pool_indices, 0), (meta.seq_lens, 0)]

@@ -22,6 +22,11 @@ from kernels.rope_store import Rope, apply_rope, rope_at
 # the fused decode path's tail as one kernel (tfs::lm_head) instead of inductor's norm, tfs::gemv and inductor's
 # float32 conversion; a constant so that bench/knobs.py --set can turn it off to compare in one commit
 FUSED_LM_HEAD = True
+# The fused decode path (tfs::gemv and friends) for forwards of at most this many token rows: one row streams the
+# weights near the HBM floor, but the several-row tile is untuned and slow (Llama-3-8B shape, H200, bench/e2e.py:
+# a batch-8 decode forward 19.0 ms on it against 4.0 ms at batch 1 and 6.2 ms at batch 64 on cuBLAS), so more rows
+# go to cuBLAS and inductor's kernels
+FUSED_MAX_ROWS = 1
 
 
 @dataclass
@@ -195,7 +200,9 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
         # launch per linear would cost more than cuBLAS's (and under TRITON_INTERPRET=1 every linear would run in
         # the interpreter; the kernel's interpreted tests and DecoderLayer.forward(fused=True) cover that instead)
-        fused = self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and x.shape[0] <= GEMV_MAX_ROWS
+        # and only in uniform batches (a compiled prefill's metadata says it is not one)
+        fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
+                 and x.shape[0] <= min(FUSED_MAX_ROWS, GEMV_MAX_ROWS))
         for layer in layers:
             x = layer(x, rope, meta, fused, fused and self.pdl)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
