@@ -44,7 +44,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # random weights only
     eos_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
-    # compiled (CUDA-graph) forwards of <= 16 tokens on CUDA run each layer's linears as tfs::gemv with the norms,
+    # compiled (CUDA-graph) one-token forwards on CUDA run each layer's linears as tfs::gemv with the norms,
     # SiLU-mul and residual adds fused in (kernels/gemv.py); false: cuBLAS and separate elementwise kernels
     fused_decode: bool = True
     arch: ArchConfig = field(default_factory=ArchConfig)
