@@ -20,7 +20,9 @@ from framework.request import Request, RequestOutput
 from framework.sampling import RequestError, SamplingParams, sample
 from framework.scheduler import ScheduledStep, Scheduler
 from framework.speculative import DRAFTERS
+from framework.speculative.version import resolve_version
 from framework.speculative.worker import SpecWorker, spec_kv_width
+from framework.speculative.worker_v2 import SpecLaunched, SpecV2Worker, v2_kv_width
 from framework.tokenizer import encode_prompt, load_tokenizer
 from framework.transfer import AsyncCopy
 
@@ -54,12 +56,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_overlap(setting: str, device: torch.device, speculative: str) -> bool:
-    """``scheduler.overlap``: auto is on for CUDA unless a drafter runs (speculation has its own loop)."""
+def resolve_overlap(setting: str, device: torch.device, spec_version: Optional[str]) -> bool:
+    """``scheduler.overlap``: auto is on for CUDA unless the v1 speculative iteration runs (it has its own
+    synchronous loop); ``spec_version`` None without a drafter."""
     if setting == "auto":
-        if speculative != "none" and device.type == "cuda":
-            log.info("scheduler.overlap=auto: off, speculative=%s runs the synchronous loop", speculative)
-        return device.type == "cuda" and speculative == "none"
+        if spec_version == "v1" and device.type == "cuda":
+            log.info("scheduler.overlap=auto: off, speculative.version=v1 runs the synchronous loop")
+        return device.type == "cuda" and spec_version != "v1"
     return setting == "on"
 
 
@@ -105,7 +108,14 @@ class Engine:
         # NOTE: speculation writes up to spec_width positions past a request's committed length, so the
         # req_to_token rows and the rope tables are that much longer; draft nodes past the context window only
         # lead to tokens past max_new_tokens, which are discarded, so the window itself is the same as without
-        self.spec_width = spec_kv_width(spec) if spec.name != "none" else 0
+        self.spec_version: Optional[str] = None  # v1 | v2 with a drafter
+        if spec.name != "none":
+            self.spec_version, reason = resolve_version(spec)
+            if reason is not None:
+                log.info("speculative.version=%s: running v1, %s", spec.version, reason)
+        self.spec_width = {None: 0, "v1": spec_kv_width, "v2": v2_kv_width}[self.spec_version]
+        if self.spec_width:
+            self.spec_width = self.spec_width(spec)
         self.max_context = min(sc.max_context, args.max_position_embeddings)
         self.model.init_rope(self.max_context + self.spec_width)
         num_tokens = config.kv.max_total_tokens or sc.max_running_requests * (self.max_context + self.spec_width)
@@ -130,22 +140,26 @@ class Engine:
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.new_detokenizer, self.device,
                                    reserve_tokens=max(1, self.spec_width))
-        self.overlap = resolve_overlap(sc.overlap, self.device, spec.name)
+        self.overlap = resolve_overlap(sc.overlap, self.device, self.spec_version)
         self._inflight: Optional[Launched] = None  # the launched step whose tokens the host has not taken yet
         if self.runner.stages_inputs:  # decode batches go straight into the CUDA graphs' static buffers
             self.scheduler.stage_inputs = self.runner.stage
         self.drafter = DRAFTERS.build(spec.name, self, spec)
-        self.spec_worker = SpecWorker(self, self.drafter, spec) if self.drafter is not None else None
+        worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
+        self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
         self.runner.warmup_extend([[5], [40], [3, 4], [20, 30]])
-        if self.spec_worker is not None:
+        if self.spec_version == "v1":
             self.runner.warmup(ForwardMode.TARGET_VERIFY, spec.num_draft_tokens)
             self.drafter.warmup()
+        elif self.spec_version == "v2":
+            self.spec_worker.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s, overlap=%s",
+        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s, overlap=%s%s",
                  self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
-                 config.kv.page_size, "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off")
+                 config.kv.page_size, "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
+                 f", speculative={spec.name} {self.spec_version}" if self.spec_version else "")
 
     # ---- requests -------------------------------------------------------------------------------------
     def detokenize(self, ids: list[int]) -> str:
@@ -240,14 +254,14 @@ class Engine:
         if step is not None:
             if self.stats.first_admit_s is None:
                 self.stats.first_admit_s = time.perf_counter()
-            if step.mode is ForwardMode.DECODE and self.spec_worker is not None:
+            if step.mode is ForwardMode.DECODE and self.spec_version == "v1":
                 finished += self.spec_worker.step(step)  # (never overlapped: see resolve_overlap)
             elif self.overlap:
-                launched = self.launch(step)
+                launched = self.launch_step(step)
                 finished += self.drain()
                 self._inflight = launched
             else:
-                finished += self.complete(self.launch(step))
+                finished += self.complete(self.launch_step(step))
         if finished:
             self.stats.last_finish_s = time.perf_counter()
         return finished
@@ -258,6 +272,12 @@ class Engine:
         launched, self._inflight = self._inflight, None
         return self.complete(launched) if launched is not None else []
 
+    def launch_step(self, step: ScheduledStep) -> "Launched | SpecLaunched":
+        """Queue a step: a v2 speculative iteration for a decode step, else :meth:`launch`."""
+        if step.mode is ForwardMode.DECODE and self.spec_version == "v2":
+            return self.spec_worker.launch(step)
+        return self.launch(step)
+
     def launch(self, step: ScheduledStep) -> Launched:
         """Queue the step's target forward and sampling on the device and commit its positions; the sampled
         tokens go to ``runner.next_tokens`` (for the next step's inputs) and, without blocking, to the host."""
@@ -265,11 +285,15 @@ class Engine:
         logits, hidden = self.runner.forward(batch)
         tokens = sample(logits, batch.sampling)
         self.runner.next_tokens[batch.req_pool_indices] = tokens
+        if step.mode is ForwardMode.EXTEND and self.spec_worker is not None:
+            self.spec_worker.on_extend_launch(step, tokens)
         self.scheduler.commit_launch(step)
         return Launched(step, batch, AsyncCopy(tokens), hidden if self.drafter is not None else None)
 
-    def complete(self, launched: Launched) -> list[Request]:
+    def complete(self, launched: "Launched | SpecLaunched") -> list[Request]:
         """Take a launched step's tokens (waiting for them if they are not there yet) and apply them."""
+        if isinstance(launched, SpecLaunched):
+            return self.spec_worker.complete(launched)
         step, tokens = launched.step, launched.tokens.numpy().tolist()
         if step.mode is ForwardMode.EXTEND and self.drafter is not None:
             # the root of a request whose prefill completes: the sampled token, or after a preemption's

@@ -212,10 +212,13 @@ class ModelRunner:
         return self._static_inputs((mode, self.padded_size(bs), q_len)).stage(ints, q_len)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, layer_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch, layer_ids: Any = None,
+                new_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[len(batch.logits_index), vocab]`` (float32) and hidden states ``[num_tokens, hidden]``.
 
-        In uniform modes ``batch.logits_index`` must select every token (rows in token order).
+        In uniform modes ``batch.logits_index`` must select every token (rows in token order). ``new_step=False``:
+        the forward belongs to the caller's CUDA-graph step (outputs of graphs replayed since the caller marked it
+        stay valid; speculation v2 marks one step per iteration).
         """
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         if not (self.compiled and batch.mode.uniform):
@@ -236,7 +239,8 @@ class ModelRunner:
         for tensor, dim in dynamic:  # (a no-op on a static buffer marked before)
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
-        torch.compiler.cudagraph_mark_step_begin()
+        if new_step:
+            torch.compiler.cudagraph_mark_step_begin()
         extra = padded.hidden_in if padded.hidden_in is not None else layer_ids
         args = (padded.input_ids, padded.positions, padded.attn, padded.logits_index, extra)
         try:

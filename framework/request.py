@@ -19,6 +19,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)  # generated tokens the host has
     # tokens sampled by launched forwards that the host does not have yet (the overlapped loop runs one step ahead)
     num_pending: int = 0
+    spec_inflight: int = 0  # speculation v2: iterations launched whose accepted tokens the host does not have yet
     row: int = -1  # req_to_token row while the request holds KV
     kv_len: int = 0  # positions whose K/V are in the pool or written by a launched forward
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"

@@ -110,7 +110,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Retract a running request: free its KV and queue it first; it re-runs from prompt + generated tokens
         (the re-prefill covers every generated token but the last), so nothing is lost."""
-        assert not req.num_pending, "a request is preempted only once the host has all of its tokens"
+        assert not (req.num_pending or req.spec_inflight), "a request is preempted only once the host has all of its tokens"
         self.running.remove(req)
         self.allocator.free_request(req.row)
         req.row, req.kv_len = -1, 0

@@ -91,9 +91,13 @@ def validate(config: Config) -> None:
     _check("scheduler.max_context", sc.max_context, sc.max_context >= 2, "an integer >= 2")
     _check("scheduler.max_prefill_tokens", sc.max_prefill_tokens, sc.max_prefill_tokens >= 1, "an integer >= 1")
     _choice("scheduler.overlap", sc.overlap, ["auto", "on", "off"])
-    if config.speculative.name != "none":  # speculation runs its own synchronous loop (the v1 path)
-        _check("scheduler.overlap", sc.overlap, sc.overlap != "on",
-               f"auto or off with speculative={config.speculative.name} (speculation runs the synchronous loop)")
+    if config.speculative.name != "none":
+        from framework.speculative.version import resolve_version
+
+        if resolve_version(config.speculative)[0] == "v1":  # the v1 iteration runs the synchronous loop
+            _check("scheduler.overlap", sc.overlap, sc.overlap != "on",
+                   f"auto or off with speculative={config.speculative.name} and speculative.version=v1 (v1 runs "
+                   f"the synchronous loop)")
         _check("scheduler.mixed_prefill", sc.mixed_prefill, not sc.mixed_prefill,
                f"false with speculative={config.speculative.name} (verify steps do not take prefill chunks)")
     _choice("run.name", config.run.name, JOBS.names())
@@ -114,6 +118,7 @@ def validate_speculative(config: Config) -> None:
 
     sp = config.speculative
     _choice("speculative.name", sp.name, DRAFTERS.names())
+    _choice("speculative.version", sp.version, ["auto", "v1", "v2"])
     if sp.name == "none":
         return
     _check("speculative.num_steps", sp.num_steps, sp.num_steps >= 1, "an integer >= 1 for a drafter")

@@ -56,6 +56,7 @@ class Drafter:
 
     name = "base"
     max_children = 1  # siblings per node in the proposed trees (topk for tree drafters)
+    drafts_on_device = False  # True: propose_device drafts chains from the device token history (speculation v2)
 
     @classmethod
     def scratch_width(cls, cfg: "SpeculativeConfig") -> int:
@@ -73,6 +74,11 @@ class Drafter:
 
     def propose(self, ctx: SpecContext) -> "DraftTree | None":
         """The draft tree for ``ctx.reqs``, or None when nothing could be drafted for any of them."""
+        raise NotImplementedError
+
+    def propose_device(self, history: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain drafts ``[bs, num_steps]`` and their validity, from each request's tokens ``history`` ``[bs,
+        width]`` (``lens`` ``[bs]`` known), as tensor operations that a CUDA graph can hold (v2)."""
         raise NotImplementedError
 
     def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],

@@ -1,7 +1,10 @@
 """``speculative=ngram``: train-free prompt lookup. Each request keeps an index from its n-grams (sizes
 ``ngram_min .. ngram_max``) to where they occurred in prompt + output; the tokens that followed the longest
 matching suffix are the draft. A chain takes the most recent match; a tree (topk > 1) merges the continuations
-of several matches into a trie and keeps the most frequent nodes. No model forward."""
+of several matches into a trie and keeps the most frequent nodes. No model forward.
+
+Chains also run on the device (:func:`ngram_chain_device`, speculation v2): the same match computed over each
+request's token history as one batched comparison, so drafting needs nothing from the host."""
 
 from __future__ import annotations
 
@@ -65,14 +68,46 @@ def trie_nodes(conts: list[list[int]], budget: int, max_children: int) -> list[t
     return nodes
 
 
+def ngram_chain_device(history: torch.Tensor, lens: torch.Tensor, num_steps: int, min_n: int,
+                       max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain :class:`NgramIndex` drafts, for a batch at once on the device: ``history`` ``[bs, width]`` each
+    request's tokens, ``lens`` ``[bs]`` how many are known -> (drafts ``[bs, num_steps]``, valid ``[bs,
+    num_steps]``). The longest suffix (``min_n .. max_n`` tokens) that also ends at an earlier position ``j``
+    wins, the most recent ``j`` among equals; the draft is the tokens after ``j``, up to the known end."""
+    bs, width = history.shape
+    dev = history.device
+    ends = torch.arange(width, device=dev)[None, :]  # [1, width] candidate end positions j
+    run = torch.ones(bs, width, dtype=torch.bool, device=dev)
+    match = torch.zeros(bs, width, dtype=torch.int64, device=dev)  # matched suffix length ending at j
+    for i in range(max_n):  # (over suffix sizes: at most max_n small comparisons)
+        at = (lens - 1 - i)[:, None]  # [bs, 1] suffix token i from the end
+        want = torch.gather(history, 1, at.clamp(min=0))
+        have = torch.gather(history, 1, (ends - i).clamp(min=0).expand(bs, width))
+        run = run & (ends - i >= 0) & (at >= 0) & (have == want)
+        match = match + run
+    candidate = (ends <= lens[:, None] - 2) & (match >= min_n)  # a token follows j, before the root
+    score = torch.where(candidate, match * width + ends, torch.full_like(match, -1))
+    best = score.max(dim=1)
+    start = best.indices + 1  # [bs] first drafted position
+    cols = start[:, None] + torch.arange(num_steps, device=dev)[None, :]  # [bs, num_steps]
+    drafts = torch.gather(history, 1, cols.clamp(max=width - 1))
+    valid = (best.values >= 0)[:, None] & (cols < lens[:, None])
+    return drafts, valid
+
+
 @DRAFTERS.register("ngram")
 class NgramDrafter(Drafter):
     name = "ngram"
+    drafts_on_device = True  # chains: ngram_chain_device (speculation v2)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
         self.max_children = cfg.topk
         self.device = engine.device
+
+    def propose_device(self, history: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain drafts ``[bs, num_steps]`` and their validity from the requests' token histories (v2)."""
+        return ngram_chain_device(history, lens, self.cfg.num_steps, self.cfg.ngram_min, self.cfg.ngram_max)
 
     def _index(self, req: Request) -> NgramIndex:
         if req.drafter_state is None:

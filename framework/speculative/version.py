@@ -1,0 +1,29 @@
+"""``speculative.version``: which iteration runs a drafter. v2 (:mod:`worker_v2`) keeps the whole iteration on the
+device and overlaps it with the host; v1 (:mod:`worker`) drafts on the host and reads every result back."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from framework.config import SpeculativeConfig
+
+VERSIONS = ["auto", "v1", "v2"]
+
+
+def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
+    """Why v2 cannot run this configuration, or None when it can."""
+    from framework.speculative import DRAFTERS
+
+    if cfg.topk > 1:
+        return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
+    if not getattr(DRAFTERS.get(cfg.name), "drafts_on_device", False):
+        return f"speculative={cfg.name} drafts on the host (v2 drafts on the device: ngram)"
+    return None
+
+
+def resolve_version(cfg: SpeculativeConfig) -> tuple[str, Optional[str]]:
+    """(``v1`` or ``v2``, the reason v2 was not taken where it was asked for or ``auto``)."""
+    if cfg.name == "none" or cfg.version == "v1":
+        return "v1", None
+    reason = v2_unsupported(cfg)
+    return ("v1", reason) if reason else ("v2", None)

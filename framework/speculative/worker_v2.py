@@ -1,0 +1,263 @@
+"""Speculation v2: a whole iteration on the device, launched without waiting for the previous one's result.
+
+One iteration for the running requests is three device programs, each replayed from a CUDA graph when the runner
+compiles (``torch.compile(mode="reduce-overhead")`` at the captured batch sizes), none read back by the host:
+
+1. prepare: each request's root and chain drafts from its token history on the device (:class:`TokenHistory`;
+   n-gram lookup as a batched comparison), and the TARGET_VERIFY inputs (positions, slots from ``req_to_token``);
+2. the TARGET_VERIFY forward (causal over the chain: a chain needs no tree mask and no K/V compaction);
+3. finish: verification as tensor operations (:mod:`chain_verify`), the accepted tokens and the bonus token
+   (``tfs::fill_bonus_tokens``, the next root) appended to the token history.
+
+The accept lengths and tokens go to the host through pinned memory; the host applies them (stop checks,
+detokenization, streaming, freeing) while the next iteration runs (the engine's overlapped loop).
+
+KV contract: the host does not know an in-flight iteration's accept lengths, so an iteration launched while one is
+pending assigns slots through the largest advance the pending one can make: positions ``[L, L + 2 * q)`` for a
+committed length ``L`` and ``q = num_steps + 1`` verify tokens. Nothing an in-flight iteration may write is freed:
+after an iteration is applied its request keeps positions ``< L' + q`` (what the next iteration writes). The
+committed lengths (``Request.kv_len``) change only when an iteration's result is applied.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from framework.batch import ForwardBatch, ForwardMode, SamplingBatch
+from framework.config import SpeculativeConfig
+from framework.kv import DUMMY_ROW
+from framework.request import Request
+from framework.scheduler import ScheduledStep
+from framework.speculative.base import Drafter
+from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
+from framework.speculative.token_history import TokenHistory
+from framework.speculative.worker import SpecStats
+from framework.transfer import AsyncCopy, upload
+
+
+def v2_kv_width(cfg: SpeculativeConfig) -> int:
+    """Row positions past the committed length that v2 may assign: two iterations' verify tokens, plus one."""
+    return 2 * (cfg.num_steps + 1) + 1
+
+
+@dataclass
+class SpecLaunched:
+    """An iteration queued on the device; its accept lengths and tokens are on their way to the host."""
+
+    step: ScheduledStep
+    padded_bs: int
+    result: AsyncCopy  # [padded_bs + padded_bs * q]: accept lengths, then the emitted tokens of each request
+    events: Optional[list[torch.cuda.Event]]  # CUDA: before prepare, after prepare, after verify, after finish
+
+
+class SpecV2Worker:
+    version = "v2"
+
+    def __init__(self, engine, drafter: Drafter, cfg: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.cfg = cfg
+        self.q = cfg.num_steps + 1  # verify tokens per request: the root and the chain
+        self.width = v2_kv_width(cfg)
+        self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
+        self.device = engine.device
+        table = engine.allocator.req_to_token  # [rows, positions]
+        self.history = TokenHistory(table.shape[0], table.shape[1], self.device)
+        self._assigned: dict[int, int] = {}  # request row -> positions [0, n) that have slots
+        self._inflight: list[SpecLaunched] = []
+        self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
+        self._sampling: Optional[tuple[tuple, SamplingBatch]] = None
+        self._logits_index: dict[int, torch.Tensor] = {}
+        self.graphs = engine.runner.compiled and self.device.type == "cuda"
+        self._prepare_fn, self._greedy_fn, self._sampling_fn = self._prepare, self._finish_greedy, self._finish_sampling
+        if self.graphs:
+            compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
+            self._prepare_fn, self._greedy_fn, self._sampling_fn = map(compile_, (self._prepare, self._finish_greedy,
+                                                                                  self._finish_sampling))
+
+    # ---- device programs (graph bodies) -----------------------------------------------------------------
+    def _prepare(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rows ``[bs]`` -> tokens / valid ``[bs, q]`` (root first), positions / slots ``[bs * q]``, seq_lens."""
+        table = self.engine.allocator.req_to_token
+        lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
+        history = self.history.tokens[rows]  # [bs, width]
+        drafts, valid = self.drafter.propose_device(history, lens)  # [bs, q - 1]
+        root = torch.gather(history, 1, (lens - 1)[:, None])
+        tokens = torch.cat([root, drafts], dim=1).to(torch.int64)
+        valid = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
+        committed = lens - 1  # the root's position: its K/V is written by this forward
+        positions = committed[:, None] + torch.arange(self.q, device=rows.device)[None, :]
+        slots = table[rows[:, None], positions.clamp(max=table.shape[1] - 1)]
+        return tokens, valid, positions.reshape(-1), slots.reshape(-1), committed + self.q
+
+    def _finish_greedy(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                       logits: torch.Tensor) -> torch.Tensor:
+        accept_lens, accept_tokens, bonus = verify_chain_greedy(tokens, valid, logits)
+        self.history.append(rows, accept_tokens, accept_lens, bonus)
+        return torch.cat([accept_lens, accept_tokens.reshape(-1)])
+
+    def _finish_sampling(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
+                         temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
+                         need_top_k_top_p: bool) -> torch.Tensor:
+        steps = self.history.lens[rows] - self.history.prompt_lens[rows]  # generated tokens: the draws' index
+        accept_lens, accept_tokens, bonus = verify_chain_sampling(tokens, valid, logits, temperatures, top_ks, top_ps,
+                                                                  seeds, steps, need_top_k_top_p)
+        self.history.append(rows, accept_tokens, accept_lens, bonus)
+        return torch.cat([accept_lens, accept_tokens.reshape(-1)])
+
+    # ---- host side --------------------------------------------------------------------------------------
+    def on_extend_launch(self, step: ScheduledStep, sampled: torch.Tensor) -> None:
+        """Before a prefill step's positions are committed: the requests whose prompt it completes get their token
+        history (prompt, generated tokens, and the token the step samples, still on the device)."""
+        rows, seqs, prompt_lens, index, samples = [], [], [], [], []
+        for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
+            if req.prefilled or req.kv_len + n < req.prefill_target:
+                continue
+            rows.append(req.row), seqs.append(req.prompt_ids + req.output_ids)
+            prompt_lens.append(len(req.prompt_ids)), index.append(i), samples.append(gets)
+            self._assigned[req.row] = req.prefill_target
+        if rows:
+            self.history.start(rows, seqs, prompt_lens, sampled, index, samples)
+
+    def _rows_tensor(self, reqs: list[Request], padded_bs: int) -> torch.Tensor:
+        rows = tuple(r.row for r in reqs) + (DUMMY_ROW,) * (padded_bs - len(reqs))
+        last = self._rows.get(padded_bs)
+        if last is None or last[0] != rows:
+            last = (rows, upload(np.asarray(rows, dtype=np.int64), self.device))
+            self._rows[padded_bs] = last
+        return last[1]
+
+    def _padded_sampling(self, reqs: list[Request], padded_bs: int) -> SamplingBatch:
+        """The requests' sampling parameters as ``[padded_bs]`` device tensors (dummies greedy), kept while the
+        batch stays the same."""
+        key = tuple(map(id, reqs)) + (padded_bs,)
+        if self._sampling is None or self._sampling[0] != key:
+            extra = padded_bs - len(reqs)
+            p = [r.params for r in reqs]
+            ints = upload(np.asarray([[x.top_k for x in p] + [0] * extra, [r.seed for r in reqs] + [0] * extra],
+                                     dtype=np.int64), self.device)
+            floats = upload(np.asarray([[x.temperature for x in p] + [0.0] * extra, [x.top_p for x in p] + [1.0] * extra],
+                                       dtype=np.float32), self.device)
+            need = any(x.top_k > 0 or x.top_p < 1 for x in p if x.temperature > 0)
+            self._sampling = (key, SamplingBatch(temperatures=floats[0], top_ps=floats[1], top_ks=ints[0],
+                                                 seeds=ints[1], steps=ints[1], all_greedy=all(x.temperature == 0 for x in p),
+                                                 need_top_k_top_p=need))
+        return self._sampling[1]
+
+    def _assign_slots(self, reqs: list[Request]) -> None:
+        """Slots for every position this iteration may write (through a pending iteration's largest advance)."""
+        rows, starts, ends = [], [], []
+        for req in reqs:
+            end = req.kv_len + self.q * (1 + req.spec_inflight)
+            have = self._assigned[req.row]
+            if end > have:
+                rows.append(req.row), starts.append(have), ends.append(end)
+                self._assigned[req.row] = end
+        if rows:
+            self.engine.allocator.assign(rows, starts, ends)
+
+    def launch(self, step: ScheduledStep) -> SpecLaunched:
+        """Queue one iteration for the step's requests (all prefilled); nothing here waits for the device."""
+        reqs, runner, q = step.reqs, self.engine.runner, self.q
+        self._assign_slots(reqs)
+        bs = len(reqs)
+        padded_bs = runner.padded_size(bs) if runner.compiled else bs
+        rows = self._rows_tensor(reqs, padded_bs)
+        bounds = [self._assigned[r.row] for r in reqs] + [q] * (padded_bs - bs)  # host bounds of seq_lens
+        sampling = self._padded_sampling(reqs, padded_bs)
+        return self._run(step, rows, bounds, sampling)
+
+    def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int],
+             sampling: SamplingBatch) -> SpecLaunched:
+        padded_bs, q = rows.shape[0], self.q
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if self.device.type == "cuda" else None
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
+        self._record(events, 0)
+        tokens, valid, positions, slots, seq_lens = self._prepare_fn(rows)
+        self._record(events, 1)
+        if padded_bs not in self._logits_index:
+            self._logits_index[padded_bs] = torch.arange(padded_bs * q, device=self.device)
+        batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1), positions=positions,
+                             out_cache_loc=slots, req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=bounds,
+                             extend_lens_cpu=[q] * padded_bs, logits_index=self._logits_index[padded_bs])
+        logits, _ = self.engine.runner.forward(batch, new_step=False)
+        self._record(events, 2)
+        if sampling.all_greedy:
+            out = self._greedy_fn(rows, tokens, valid, logits)
+        else:
+            out = self._sampling_fn(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks,
+                                    sampling.top_ps, sampling.seeds, sampling.need_top_k_top_p)
+        self._record(events, 3)
+        launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
+        for req in step.reqs:
+            req.spec_inflight += 1
+        self._inflight.append(launched)
+        return launched
+
+    @staticmethod
+    def _record(events: Optional[list[torch.cuda.Event]], i: int) -> None:
+        if events is not None:
+            events[i].record()
+
+    def complete(self, launched: SpecLaunched) -> list[Request]:
+        """Apply an iteration's result (waiting for it if it has not arrived); returns the finished requests."""
+        host = launched.result.numpy()
+        self._inflight.remove(launched)
+        sched, alloc, q = self.engine.scheduler, self.engine.allocator, self.q
+        lens = host[: launched.padded_bs].tolist()
+        tokens = host[launched.padded_bs:].reshape(launched.padded_bs, q)
+        finished, now = [], time.perf_counter()
+        for b, req in enumerate(launched.step.reqs):
+            req.spec_inflight -= 1
+            if req.finished:  # finished (or aborted) after this iteration was launched: its tokens are dropped
+                continue
+            n = lens[b]
+            req.kv_len += n  # the root and the accepted drafts now hold K/V
+            req.spec_verify_steps += 1
+            req.spec_accepted_tokens += n
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if sched.append_tokens(req, tokens[b, :n].tolist()):
+                finished.append(req)
+            else:  # keep what the next iteration writes; rejected positions' pages go back
+                keep = req.kv_len + q
+                alloc.truncate(req.row, keep)
+                self._assigned[req.row] = min(self._assigned[req.row], keep)
+        self._account(lens[: len(launched.step.reqs)], launched.events)
+        return finished
+
+    def _account(self, lens: list[int], events: Optional[list[torch.cuda.Event]]) -> None:
+        s = self.stats
+        s.num_verify_steps += len(lens)
+        s.num_emitted += sum(lens)
+        for length in lens:
+            for d in range(min(length - 1, len(s.accepted_at_depth))):
+                s.accepted_at_depth[d] += 1
+        if events is not None:  # complete: the result copy came after the last event
+            s.draft_s += events[0].elapsed_time(events[1]) / 1e3
+            s.verify_s += events[1].elapsed_time(events[3]) / 1e3
+            s.num_iterations += 1
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Record the iteration's graphs for every captured batch size (dummy requests only), greedy and sampling."""
+        if not self.graphs:
+            return
+        runner = self.engine.runner
+        for padded_bs in runner.batch_sizes:
+            rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=self.device)
+            for greedy in (True, False):
+                zeros = torch.zeros(padded_bs, dtype=torch.int64, device=self.device)
+                temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=self.device)
+                sampling = SamplingBatch(temperatures=temps, top_ps=torch.ones_like(temps), top_ks=zeros,
+                                         seeds=zeros, steps=zeros, all_greedy=greedy)
+                launched = self._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [self.q] * padded_bs,
+                                     sampling)
+                launched.result.numpy()
+                self._inflight.remove(launched)
