@@ -47,16 +47,18 @@ from framework.engine import Engine, EngineStats  # noqa: E402
 from framework.jobs.generate import generate_items, metrics, read_prompts  # noqa: E402
 from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
+from framework.speculative.worker import SpecStats  # noqa: E402
 
 GROUNDED = ROOT / "bench" / "prompts" / "grounded.jsonl"
 MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random"}
 DEFAULT_CASES = ["8b:1", "8b:8", "8b:64", "smollm2:1", "smollm2:8"]
 
 
-def case_items(model: str, batch: int, new_tokens: int, repeat: int) -> list[dict]:
+def case_items(model: str, batch: int, new_tokens: int, repeat: int, max_tokens: int = 0) -> list[dict]:
     prompts = read_prompts(str(GROUNDED))
     if model == "smollm2":
-        return [dict(p, id=f"{p['id']}-{r}") for r in range(repeat) for p in prompts]
+        fixed = {"max_tokens": max_tokens} if max_tokens else {}
+        return [dict(p, id=f"{p['id']}-{r}", **fixed) for r in range(repeat) for p in prompts]
     n = max(8, batch)
     return [dict(prompts[i % len(prompts)], id=i, max_tokens=new_tokens, ignore_eos=True) for i in range(n)]
 
@@ -90,14 +92,19 @@ def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
 
 
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
-             profile: int = 0) -> dict:
-    items = case_items(name, batch, new_tokens, repeat)
+             profile: int = 0, max_tokens: int = 0) -> dict:
+    items = case_items(name, batch, new_tokens, repeat, max_tokens)
     engine.scheduler.cfg.max_running_requests = batch
     engine.overlap = overlap == "on"
     engine.stats = EngineStats()
-    launches = []
-    launch = engine.launch
-    engine.launch = lambda step: launches.append(step.mode.name) or launch(step)  # count the job's forwards
+    if engine.spec_worker is not None:
+        engine.spec_worker.stats = SpecStats(accepted_at_depth=[0] * engine.config.speculative.num_steps)
+    launches = []  # the job's forwards (a speculative iteration counts as one)
+    launch = engine.launch_step
+    engine.launch_step = lambda step: launches.append(step.mode.name) or launch(step)
+    if engine.spec_version == "v1":  # its verify iterations do not go through launch_step
+        spec_step = engine.spec_worker.step
+        engine.spec_worker.step = lambda step: launches.append(step.mode.name) or spec_step(step)
     profiler = cProfile.Profile() if profile else None
     if profiler:
         profiler.enable()
@@ -108,7 +115,9 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
         print(f"--- {name}:{batch} overlap {overlap}: host functions by own time (cProfile slows the host)\n"
               + text.getvalue().split("\n\n", 1)[-1].strip(), flush=True)
-    del engine.launch
+    del engine.launch_step
+    if engine.spec_version == "v1":
+        del engine.spec_worker.step
     summary = metrics(engine, outputs)
     errors = [o.error for o in outputs if o.finish_reason == "error"]
     if errors:
@@ -123,6 +132,10 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "wall_s": summary["wall_s"], "forwards": len(launches), "prefill_forwards": launches.count("EXTEND"),
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
            "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1)}
+    if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
+        row.update(speculative=f"{engine.config.speculative.name} {engine.spec_version}",
+                   **{k: summary[k] for k in ("mean_accept_len", "draft_time_share", "verify_time_share",
+                                              "gpu_ms_per_iteration") if k in summary})
     return row
 
 
@@ -132,6 +145,8 @@ def main() -> None:
     ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per request of the random-weight cases")
     ap.add_argument("--repeat", type=int, default=4, help="copies of the grounded prompts for the smollm2 cases")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="smollm2 cases: max_tokens of every request (default: each prompt's own)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run each job under cProfile and print its top N host functions (the job's numbers then "
@@ -152,15 +167,17 @@ def main() -> None:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
                 rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
-                                     args.profile))
+                                     args.profile, args.max_tokens))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del engine
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':>16} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6}")
+    print(f"{'case':>16} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
+          f"{'accept':>6} {'gpu iter ms':>11}")
     for r in rows:
         print(f"{r['case']:>16} {r['overlap']:>7} {r['requests']:>5} {r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} "
-              f"{r['forward_ms']:>7.3f} {r['ratio']:>6.3f}")
+              f"{r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
+              f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

