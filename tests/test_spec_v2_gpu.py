@@ -15,7 +15,7 @@ from tests.test_overlap import PROMPTS, items
 pytestmark = pytest.mark.gpu
 
 BASE = ["model=smollm2_135m_random", "attention=triton", "scheduler.max_running_requests=4",
-        "compile.batch_sizes=[1,2,4]", "speculative=ngram", "speculative.num_steps=4"]
+        "compile.batch_sizes=[1,4]", "speculative=ngram", "speculative.num_steps=4"]
 
 
 def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:

@@ -190,9 +190,10 @@ class SpecV2Worker:
         self._record(events, 2)
         if sampling.all_greedy:
             out = self._greedy_fn(rows, tokens, valid, logits)
-        else:
-            out = self._sampling_fn(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks,
-                                    sampling.top_ps, sampling.seeds, sampling.need_top_k_top_p)
+        else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
+            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
+            out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                         sampling.seeds, sampling.need_top_k_top_p)
         self._record(events, 3)
         launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
         for req in step.reqs:
