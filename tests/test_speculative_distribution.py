@@ -1,7 +1,7 @@
 """Sampling is lossless: with temperature > 0 the tokens speculative decoding emits have exactly the target's
 distribution. A tiny-vocabulary model (8 tokens) makes the exact distribution enumerable; 20k seeded requests
 give the empirical one; a chi-square test compares them (chain with sampled drafts, tree with top-k drafts,
-n-gram), and the same test rejects a deliberately broken verifier."""
+n-gram chains in speculation v2 and v1), and the same test rejects a deliberately broken verifier."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ SPECS = {
     "chain_sampled_drafts": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2"],
     "tree_topk_drafts": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2",
                          "speculative.topk=2", "speculative.num_draft_tokens=5"],
-    "ngram_chain": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1"],
+    "ngram_chain": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1"],  # v2
+    "ngram_chain_v1": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1",
+                       "speculative.version=v1"],
 }
 
 

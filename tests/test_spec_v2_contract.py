@@ -1,0 +1,157 @@
+"""The speculation contracts (from SGLang's spec-v2 fixes), against v1 and v2 where both apply, on tiny_llama (CPU):
+
+- ``speculative.version`` resolves: auto takes v2 for device drafters (ngram chains) and falls back to v1 with one
+  log line naming the reason (topk > 1, host drafters); v2 runs the overlapped loop, v1 does not;
+- token ids entering the target's verify forward are int64, and v2's drafts come from the device token history;
+- a batch padded to a captured size: the metadata sees ``seq_lens_sum`` of the padded ``seq_lens``, the caller's
+  batch keeps its raw value;
+- committed lengths change only when an iteration's result is applied; speculative KV allocation is monotonic: no
+  page that an in-flight iteration may write is freed (checked on every ``truncate``), nothing leaks;
+- ``tfs::fill_bonus_tokens`` output is the next root on the device: after every v2 iteration the token history ends
+  with the last emitted token;
+- v2 is lossless: greedy output equals plain decoding and v1, seeded sampling equals v1 token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from framework import LLM
+from framework.batch import ForwardBatch, ForwardMode
+from tests.conftest import TINY
+from tests.test_speculative_lossless import DRAFTERS, items
+
+NGRAM = DRAFTERS["ngram"] + ["scheduler.max_running_requests=8"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=8"]).generate(items())]
+
+
+def test_version_resolution_and_fallback(caplog):
+    with caplog.at_level(logging.INFO, logger="framework.engine"):
+        v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
+        tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
+        host = LLM(TINY + DRAFTERS["layer_skip"])
+    assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
+    assert tree.engine.spec_version == "v1" and host.engine.spec_version == "v1"
+    reasons = [r.getMessage() for r in caplog.records if "running v1" in r.getMessage()]
+    assert len(reasons) == 2 and "topk=4" in reasons[0] and "layer_skip" in reasons[1]
+    assert LLM(TINY + NGRAM + ["speculative.version=v1"]).engine.spec_version == "v1"
+
+
+def test_v1_refuses_the_overlapped_loop():
+    with pytest.raises(Exception, match="scheduler.overlap"):
+        LLM(TINY + NGRAM + ["speculative.version=v1", "scheduler.overlap=on"])
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_verify_inputs_are_int64(version):
+    llm = LLM(TINY + NGRAM + [f"speculative.version={version}"])
+    runner, seen = llm.engine.runner, []
+    forward = runner.forward
+
+    def spy(batch, *args, **kwargs):
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            seen.append((batch.input_ids.dtype, batch.positions.dtype, batch.out_cache_loc.dtype))
+        return forward(batch, *args, **kwargs)
+
+    runner.forward = spy
+    llm.generate(items(3))
+    assert seen and all(d == (torch.int64,) * 3 for d in seen)
+
+
+def test_padded_batch_sees_the_padded_seq_lens_sum():
+    llm = LLM(TINY + ["compile.batch_sizes=[4]", "scheduler.max_running_requests=8"])
+    runner, dev = llm.engine.runner, llm.engine.device
+    q, lens = 3, [7, 9, 11]
+    n = len(lens) * q
+    batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=torch.zeros(n, dtype=torch.int64),
+                         positions=torch.arange(n), out_cache_loc=torch.zeros(n, dtype=torch.int64),
+                         req_pool_indices=torch.zeros(3, dtype=torch.int64), seq_lens=torch.tensor(lens),
+                         seq_lens_cpu=list(lens), extend_lens_cpu=[q] * 3, logits_index=torch.arange(n).to(dev))
+    padded = runner.pad(batch)
+    assert padded.padded_bs == 4 and padded.seq_lens.shape[0] == 4
+    assert padded.seq_lens_sum == sum(padded.seq_lens_cpu) == int(padded.seq_lens.sum())
+    assert batch.seq_lens_sum == sum(lens) and batch.bs == 3  # the caller's raw values
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_committed_lengths_and_monotonic_allocation(version, overlap, reference, monkeypatch):
+    if version == "v1" and overlap == "on":
+        pytest.skip("v1 runs the synchronous loop")
+    small = ["kv.page_size=1", "scheduler.max_context=64", "kv.max_total_tokens=150"]  # preemption too
+    llm = LLM(TINY + NGRAM + small + [f"speculative.version={version}", f"scheduler.overlap={overlap}"])
+    engine, alloc = llm.engine, llm.engine.allocator
+    worker = engine.spec_worker
+    q = engine.config.speculative.num_steps + 1
+    truncate = alloc.truncate
+
+    def checked_truncate(row, num_tokens):
+        req = next(r for r in engine.scheduler.running if r.row == row)
+        if req.spec_inflight:  # an in-flight iteration writes positions [kv_len, kv_len + q)
+            assert num_tokens >= req.kv_len + q, (row, num_tokens, req.kv_len)
+        truncate(row, num_tokens)
+
+    monkeypatch.setattr(alloc, "truncate", checked_truncate)
+    if version == "v2":  # committed lengths do not move at launch
+        launch = worker.launch
+
+        def checked_launch(step):
+            before = [r.kv_len for r in step.reqs]
+            launched = launch(step)
+            assert [r.kv_len for r in step.reqs] == before
+            return launched
+
+        monkeypatch.setattr(worker, "launch", checked_launch)
+    ref = LLM(TINY + ["scheduler.max_running_requests=8"] + small).generate(items())
+    outs = llm.generate(items())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert engine.scheduler.num_preemptions > 0
+    alloc.assert_all_free()
+
+
+def test_bonus_token_is_the_next_root_on_the_device():
+    llm = LLM(TINY + NGRAM)
+    engine = llm.engine
+    worker, history = engine.spec_worker, engine.spec_worker.history
+    complete = worker.complete
+
+    def checked_complete(launched):
+        finished = complete(launched)
+        for req in launched.step.reqs:
+            if not req.finished:
+                n = len(req.prompt_ids) + len(req.output_ids)
+                assert int(history.lens[req.row]) == n
+                assert history.tokens[req.row, :n].tolist() == req.prompt_ids + req.output_ids
+        return finished
+
+    worker.complete = checked_complete
+    outs = llm.generate(items())
+    assert sum(o.spec["num_verify_steps"] for o in outs) > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_v2_equals_plain_and_v1(reference, batch, page_size):
+    common = DRAFTERS["ngram"] + [f"scheduler.max_running_requests={batch}", f"kv.page_size={page_size}"]
+    count = len(reference) if batch > 1 else 3
+    outs = {}
+    for version, overlap in (("v1", "off"), ("v2", "off"), ("v2", "on")):
+        llm = LLM(TINY + common + [f"speculative.version={version}", f"scheduler.overlap={overlap}"])
+        outs[version, overlap] = [o.token_ids for o in llm.generate(items(count))]
+        llm.engine.allocator.assert_all_free()
+    assert all(o == reference[:count] for o in outs.values())
+
+
+def test_v2_seeded_sampling_equals_v1():
+    reqs = [dict(it, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
+            for i, it in enumerate(items())]
+    got = {v: [o.token_ids for o in LLM(TINY + NGRAM + [f"speculative.version={v}"]).generate(reqs)]
+           for v in ("v1", "v2")}
+    assert got["v1"] == got["v2"]
