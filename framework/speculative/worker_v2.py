@@ -152,10 +152,12 @@ class SpecV2Worker:
     def _assign_slots(self, reqs: list[Request]) -> None:
         """Slots for every position this iteration may write (through a pending iteration's largest advance)."""
         rows, starts, ends = [], [], []
+        page, limit = self.engine.allocator.page_size, self.engine.allocator.max_context
         for req in reqs:
-            end = req.kv_len + self.q * (1 + req.spec_inflight)
+            need = req.kv_len + self.q * (1 + req.spec_inflight)
             have = self._assigned[req.row]
-            if end > have:
+            if need > have:  # through the end of the last page: the next iterations need no assignment
+                end = min(-(-need // page) * page, limit)
                 rows.append(req.row), starts.append(have), ends.append(end)
                 self._assigned[req.row] = end
         if rows:
@@ -229,7 +231,7 @@ class SpecV2Worker:
             else:  # keep what the next iteration writes; rejected positions' pages go back
                 keep = req.kv_len + q
                 alloc.truncate(req.row, keep)
-                self._assigned[req.row] = min(self._assigned[req.row], keep)
+                self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
         self._account(lens[: len(launched.step.reqs)], launched.events)
         return finished
 
