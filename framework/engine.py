@@ -153,6 +153,7 @@ class Engine:
             self.runner.warmup(ForwardMode.TARGET_VERIFY, spec.num_draft_tokens)
             self.drafter.warmup()
         elif self.spec_version == "v2":
+            self.drafter.warmup()
             self.spec_worker.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The speculation contracts (from SGLang's spec-v2 fixes), against v1 and v2 where both apply, on tiny_llama (CPU):
 
-- ``speculative.version`` resolves: auto takes v2 for device drafters (ngram chains) and falls back to v1 with one
-  log line naming the reason (topk > 1, host drafters); v2 runs the overlapped loop, v1 does not;
+- ``speculative.version`` resolves: auto takes v2 for the chains it runs (ngram, layer_skip) and falls back to v1
+  with one log line naming the reason (topk > 1, the other drafters); v2 runs the overlapped loop, v1 does not;
 - token ids entering the target's verify forward are int64, and v2's drafts come from the device token history;
 - a batch padded to a captured size: the metadata sees ``seq_lens_sum`` of the padded ``seq_lens``, the caller's
   batch keeps its raw value;
@@ -36,11 +36,13 @@ def test_version_resolution_and_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
         tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
-        host = LLM(TINY + DRAFTERS["layer_skip"])
+        host = LLM(TINY + DRAFTERS["draft_model"])
+        skip = LLM(TINY + DRAFTERS["layer_skip"])
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
     assert tree.engine.spec_version == "v1" and host.engine.spec_version == "v1"
     reasons = [r.getMessage() for r in caplog.records if "running v1" in r.getMessage()]
-    assert len(reasons) == 2 and "topk=4" in reasons[0] and "layer_skip" in reasons[1]
+    assert len(reasons) == 2 and "topk=4" in reasons[0] and "draft_model" in reasons[1]
+    assert skip.engine.spec_version == "v2"
     assert LLM(TINY + NGRAM + ["speculative.version=v1"]).engine.spec_version == "v1"
 
 
@@ -138,8 +140,9 @@ def test_bonus_token_is_the_next_root_on_the_device():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_v2_equals_plain_and_v1(reference, batch, page_size):
-    common = DRAFTERS["ngram"] + [f"scheduler.max_running_requests={batch}", f"kv.page_size={page_size}"]
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip"])
+def test_v2_equals_plain_and_v1(reference, drafter, batch, page_size):
+    common = DRAFTERS[drafter] + [f"scheduler.max_running_requests={batch}", f"kv.page_size={page_size}"]
     count = len(reference) if batch > 1 else 3
     outs = {}
     for version, overlap in (("v1", "off"), ("v2", "off"), ("v2", "on")):
@@ -149,9 +152,12 @@ def test_v2_equals_plain_and_v1(reference, batch, page_size):
     assert all(o == reference[:count] for o in outs.values())
 
 
-def test_v2_seeded_sampling_equals_v1():
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip"])
+def test_v2_seeded_sampling_equals_v1(drafter):
+    """Same draws (draft, acceptance, residual) in both iterations: the same tokens, with and without top-k / top-p."""
     reqs = [dict(it, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
             for i, it in enumerate(items())]
-    got = {v: [o.token_ids for o in LLM(TINY + NGRAM + [f"speculative.version={v}"]).generate(reqs)]
+    common = DRAFTERS[drafter] + ["scheduler.max_running_requests=8"]
+    got = {v: [o.token_ids for o in LLM(TINY + common + [f"speculative.version={v}"]).generate(reqs)]
            for v in ("v1", "v2")}
     assert got["v1"] == got["v2"]

@@ -22,13 +22,14 @@ def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_v2_gives_v1_tokens_on_cuda(page_size):
+@pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16)])
+def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
-    v2 = LLM(cuda_overrides(*BASE, f"kv.page_size={page_size}"))
+    common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4")
+    v2 = LLM(cuda_overrides(*common))
     assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
-    v1 = LLM(cuda_overrides(*BASE, f"kv.page_size={page_size}", "speculative.version=v1"))
+    v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
     assert v1.engine.spec_version == "v1"
     assert outputs(v2, reqs) == outputs(v1, reqs)
     assert v2.engine.spec_worker.stats.summary()["mean_accept_len"] > 1.0  # (random weights repeat themselves)

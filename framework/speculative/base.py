@@ -57,6 +57,10 @@ class Drafter:
     name = "base"
     max_children = 1  # siblings per node in the proposed trees (topk for tree drafters)
     drafts_on_device = False  # True: propose_device drafts chains from the device token history (speculation v2)
+    # True: propose() of a chain works from a SpecContext of device tensors alone and its forwards take
+    # ``new_step=False`` through ``forward_kwargs`` (speculation v2 runs it inside its CUDA-graph step)
+    drafts_in_v2 = False
+    forward_kwargs: dict = {}
 
     @classmethod
     def scratch_width(cls, cfg: "SpeculativeConfig") -> int:

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from framework.sampling import probs_from_logits, sample_from_probs, uniform_noise
-from framework.speculative.verify import SALT_ACCEPT, SALT_RESIDUAL, residual_after_rejection
+from framework.speculative import verify as tree_verify  # (its residual_after_rejection: one definition)
+from framework.speculative.verify import SALT_ACCEPT, SALT_RESIDUAL
 from kernels.fill_bonus_tokens import fill_bonus_tokens
 
 
@@ -64,7 +65,7 @@ def verify_chain_sampling(tokens: torch.Tensor, valid: torch.Tensor, logits: tor
         q_stop = torch.zeros_like(p_stop).scatter_(1, drafts[rows, child][:, None], 1.0)
     else:
         q_stop = draft_probs[rows, accepted]
-    residual = torch.where(tried[:, None], residual_after_rejection(p_stop, q_stop), p_stop)
+    residual = torch.where(tried[:, None], tree_verify.residual_after_rejection(p_stop, q_stop), p_stop)
     salt = torch.where(accepted == 0, torch.zeros_like(accepted), accepted + SALT_RESIDUAL)  # residual_salt
     bonus = torch.where(greedy, residual.argmax(-1), sample_from_probs(residual, seeds, steps, salt=salt))
     depth = torch.arange(q, device=dev)[None, :]

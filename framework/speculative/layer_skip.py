@@ -35,6 +35,7 @@ def draft_layers(num_layers: int, exit_layer: int, skip_layers: list[int]) -> tu
 @DRAFTERS.register("layer_skip")
 class LayerSkipDrafter(ModelDrafter):
     name = "layer_skip"
+    drafts_in_v2 = True  # its draft K/V go to the target's pool at the iteration's slots: no catch-up needed
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
@@ -44,4 +45,4 @@ class LayerSkipDrafter(ModelDrafter):
                      mask: Optional[torch.Tensor], parent_hidden: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.draft_batch(ctx, tokens, depth, col, mask)
-        return self.runner.forward(batch, self.layer_ids)
+        return self.runner.forward(batch, self.layer_ids, **self.forward_kwargs)

@@ -16,8 +16,8 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
 
     if cfg.topk > 1:
         return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
-    if not getattr(DRAFTERS.get(cfg.name), "drafts_on_device", False):
-        return f"speculative={cfg.name} drafts on the host (v2 drafts on the device: ngram)"
+    if not getattr(DRAFTERS.get(cfg.name), "drafts_in_v2", False):
+        return f"speculative={cfg.name} does not run in v2 yet (v2 runs: ngram, layer_skip)"
     return None
 
 

@@ -21,6 +21,7 @@ committed lengths (``Request.kv_len``) change only when an iteration's result is
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +34,7 @@ from framework.config import SpeculativeConfig
 from framework.kv import DUMMY_ROW
 from framework.request import Request
 from framework.scheduler import ScheduledStep
-from framework.speculative.base import Drafter
+from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.token_history import TokenHistory
 from framework.speculative.worker import SpecStats
@@ -74,6 +75,7 @@ class SpecV2Worker:
         self._sampling: Optional[tuple[tuple, SamplingBatch]] = None
         self._logits_index: dict[int, torch.Tensor] = {}
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
+        drafter.forward_kwargs = {"new_step": False}  # its forwards belong to the iteration's graph step
         self._prepare_fn, self._greedy_fn, self._sampling_fn = self._prepare, self._finish_greedy, self._finish_sampling
         if self.graphs:
             compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
@@ -82,18 +84,24 @@ class SpecV2Worker:
 
     # ---- device programs (graph bodies) -----------------------------------------------------------------
     def _prepare(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """rows ``[bs]`` -> tokens / valid ``[bs, q]`` (root first), positions / slots ``[bs * q]``, seq_lens."""
+        """rows ``[bs]`` -> tokens / valid ``[bs, q]`` (root first; drafts where the drafter drafts on the device),
+        positions ``[bs * q]``, slots ``[bs, q]``, seq_lens, committed lengths and sampling steps ``[bs]``."""
         table = self.engine.allocator.req_to_token
         lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
         history = self.history.tokens[rows]  # [bs, width]
-        drafts, valid = self.drafter.propose_device(history, lens)  # [bs, q - 1]
+        if self.drafter.drafts_on_device:
+            drafts, valid = self.drafter.propose_device(history, lens)  # [bs, q - 1]
+        else:  # a model drafter fills them in with its own forwards
+            drafts = torch.zeros(rows.shape[0], self.q - 1, dtype=torch.int64, device=rows.device)
+            valid = torch.ones_like(drafts, dtype=torch.bool)
         root = torch.gather(history, 1, (lens - 1)[:, None])
         tokens = torch.cat([root, drafts], dim=1).to(torch.int64)
         valid = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
         committed = lens - 1  # the root's position: its K/V is written by this forward
         positions = committed[:, None] + torch.arange(self.q, device=rows.device)[None, :]
         slots = table[rows[:, None], positions.clamp(max=table.shape[1] - 1)]
-        return tokens, valid, positions.reshape(-1), slots.reshape(-1), committed + self.q
+        steps = lens - self.history.prompt_lens[rows]  # generated tokens: the index of this iteration's draws
+        return tokens, valid, positions.reshape(-1), slots, committed + self.q, committed, steps
 
     def _finish_greedy(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
                        logits: torch.Tensor) -> torch.Tensor:
@@ -103,10 +111,10 @@ class SpecV2Worker:
 
     def _finish_sampling(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
                          temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
-                         need_top_k_top_p: bool) -> torch.Tensor:
-        steps = self.history.lens[rows] - self.history.prompt_lens[rows]  # generated tokens: the draws' index
+                         steps: torch.Tensor, need_top_k_top_p: bool,
+                         draft_probs: Optional[torch.Tensor]) -> torch.Tensor:
         accept_lens, accept_tokens, bonus = verify_chain_sampling(tokens, valid, logits, temperatures, top_ks, top_ps,
-                                                                  seeds, steps, need_top_k_top_p)
+                                                                  seeds, steps, need_top_k_top_p, draft_probs)
         self.history.append(rows, accept_tokens, accept_lens, bonus)
         return torch.cat([accept_lens, accept_tokens.reshape(-1)])
 
@@ -181,13 +189,21 @@ class SpecV2Worker:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
-        tokens, valid, positions, slots, seq_lens = self._prepare_fn(rows)
+        tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn(rows)
+        sampling = dataclasses.replace(sampling, steps=steps)
+        draft_probs = None
+        if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
+            ctx = SpecContext(reqs=step.reqs, kv_lens=[b - q for b in bounds], slots=slots, roots=tokens[:, 0],
+                              kv_lens_t=committed, rows_t=rows, sampling=sampling)
+            chain = self.drafter.propose(ctx)
+            tokens, valid, draft_probs = chain.tokens, chain.valid, chain.draft_probs
         self._record(events, 1)
         if padded_bs not in self._logits_index:
             self._logits_index[padded_bs] = torch.arange(padded_bs * q, device=self.device)
         batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1), positions=positions,
-                             out_cache_loc=slots, req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=bounds,
-                             extend_lens_cpu=[q] * padded_bs, logits_index=self._logits_index[padded_bs])
+                             out_cache_loc=slots.reshape(-1), req_pool_indices=rows, seq_lens=seq_lens,
+                             seq_lens_cpu=bounds, extend_lens_cpu=[q] * padded_bs,
+                             logits_index=self._logits_index[padded_bs])
         logits, _ = self.engine.runner.forward(batch, new_step=False)
         self._record(events, 2)
         if sampling.all_greedy:
@@ -195,7 +211,7 @@ class SpecV2Worker:
         else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
             finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
             out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                         sampling.seeds, sampling.need_top_k_top_p)
+                         sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
         self._record(events, 3)
         launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
         for req in step.reqs:
