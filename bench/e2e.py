@@ -3,6 +3,7 @@
     python3 bench/e2e.py                                   # the default cases, overlap on and off
     python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
     python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
+    python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram --max-tokens 256
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -11,8 +12,10 @@ replay; median of 50 after warm-up). One engine per model serves all of its case
 ``train_free_serve.py model=MODEL attention=triton scheduler.max_running_requests=<largest BATCH>`` builds it, so
 its graphs are captured for every batch size up to that); each case sets the scheduler's running limit to BATCH
 and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` and ``scheduler.overlap`` set.
-Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched), the forward's
-GPU ms and their ratio (1.0 = the host costs nothing on the critical path).
+Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched; a speculative
+iteration counts as one), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
+with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
+iteration and the iteration's GPU time from CUDA events (speculation v2).
 
 - ``8b``: ``llama3_8b_random`` (Llama-3-8B's shape, random weights), the prompts of bench/prompts/grounded.jsonl
   repeated to max(8, BATCH) requests, 256 new tokens each with ``ignore_eos``.
@@ -151,6 +154,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run each job under cProfile and print its top N host functions (the job's numbers then "
                          "include the profiler's cost)")
+    ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
+                    help="one engine per drafter (none, ngram, ...) for each model, built in this process")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -158,8 +163,9 @@ def main() -> None:
     tokenizer = os.environ.get("TFS_TOKENIZER")
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases]
     rows = []
-    for name in dict.fromkeys(n for n, _ in cases):  # one engine per model, in the order given
-        extra = list(args.extra)
+    engines = [(n, d) for n in dict.fromkeys(n for n, _ in cases) for d in args.speculative]
+    for name, drafter in engines:  # one engine per model and drafter, in the order given
+        extra = list(args.extra) + ([f"speculative={drafter}"] if drafter else [])
         if tokenizer and name != "smollm2" and not any(e.startswith("model.tokenizer=") for e in extra):
             extra.append(f"model.tokenizer={tokenizer}")
         engine = build_engine(name, max(b for n, b in cases if n == name), extra)
@@ -172,11 +178,11 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':>16} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
+    print(f"{'case':>16} {'drafter':>10} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
           f"{'accept':>6} {'gpu iter ms':>11}")
     for r in rows:
-        print(f"{r['case']:>16} {r['overlap']:>7} {r['requests']:>5} {r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} "
-              f"{r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
+        print(f"{r['case']:>16} {r.get('speculative', 'none'):>10} {r['overlap']:>7} {r['requests']:>5} "
+              f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} {r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
               f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
