@@ -287,7 +287,7 @@ class Engine:
         tokens = sample(logits, batch.sampling)
         self.runner.next_tokens[batch.req_pool_indices] = tokens
         if step.mode is ForwardMode.EXTEND and self.spec_worker is not None:
-            self.spec_worker.on_extend_launch(step, tokens)
+            self.spec_worker.on_extend_launch(step, batch, tokens)
         self.scheduler.commit_launch(step)
         return Launched(step, batch, AsyncCopy(tokens), hidden if self.drafter is not None else None)
 
@@ -296,7 +296,7 @@ class Engine:
         if isinstance(launched, SpecLaunched):
             return self.spec_worker.complete(launched)
         step, tokens = launched.step, launched.tokens.numpy().tolist()
-        if step.mode is ForwardMode.EXTEND and self.drafter is not None:
+        if step.mode is ForwardMode.EXTEND and self.spec_version == "v1":
             # the root of a request whose prefill completes: the sampled token, or after a preemption's
             # re-prefill its last generated token
             roots = [token if gets else (r.output_ids[-1] if r.prefilled else None)

@@ -1,7 +1,7 @@
 """The speculation contracts (from SGLang's spec-v2 fixes), against v1 and v2 where both apply, on tiny_llama (CPU):
 
-- ``speculative.version`` resolves: auto takes v2 for the chains it runs (ngram, layer_skip) and falls back to v1
-  with one log line naming the reason (topk > 1, the other drafters); v2 runs the overlapped loop, v1 does not;
+- ``speculative.version`` resolves: auto takes v2 for the chains it runs (ngram, layer_skip, draft_model), else v1
+  with one log line naming the reason (topk > 1, eagle); v2 runs the overlapped loop, v1 does not;
 - token ids entering the target's verify forward are int64, and v2's drafts come from the device token history;
 - a batch padded to a captured size: the metadata sees ``seq_lens_sum`` of the padded ``seq_lens``, the caller's
   batch keeps its raw value;
@@ -36,12 +36,12 @@ def test_version_resolution_and_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
         tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
-        host = LLM(TINY + DRAFTERS["draft_model"])
+        host = LLM(TINY + DRAFTERS["eagle"])
         skip = LLM(TINY + DRAFTERS["layer_skip"])
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
     assert tree.engine.spec_version == "v1" and host.engine.spec_version == "v1"
     reasons = [r.getMessage() for r in caplog.records if "running v1" in r.getMessage()]
-    assert len(reasons) == 2 and "topk=4" in reasons[0] and "draft_model" in reasons[1]
+    assert len(reasons) == 2 and "topk=4" in reasons[0] and "eagle" in reasons[1]
     assert skip.engine.spec_version == "v2"
     assert LLM(TINY + NGRAM + ["speculative.version=v1"]).engine.spec_version == "v1"
 
@@ -140,7 +140,7 @@ def test_bonus_token_is_the_next_root_on_the_device():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
 def test_v2_equals_plain_and_v1(reference, drafter, batch, page_size):
     common = DRAFTERS[drafter] + [f"scheduler.max_running_requests={batch}", f"kv.page_size={page_size}"]
     count = len(reference) if batch > 1 else 3
@@ -152,7 +152,7 @@ def test_v2_equals_plain_and_v1(reference, drafter, batch, page_size):
     assert all(o == reference[:count] for o in outs.values())
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
 def test_v2_seeded_sampling_equals_v1(drafter):
     """Same draws (draft, acceptance, residual) in both iterations: the same tokens, with and without top-k / top-p."""
     reqs = [dict(it, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))

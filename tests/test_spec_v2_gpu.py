@@ -15,18 +15,19 @@ from tests.test_overlap import PROMPTS, items
 pytestmark = pytest.mark.gpu
 
 BASE = ["model=smollm2_135m_random", "attention=triton", "scheduler.max_running_requests=4",
-        "compile.batch_sizes=[1,4]", "speculative=ngram", "speculative.num_steps=4"]
+        "compile.batch_sizes=[4]", "speculative=ngram", "speculative.num_steps=4"]
 
 
 def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
 
 
-@pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16)])
+@pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16), ("draft_model", 16)])
 def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
-    common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4")
+    common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4",
+              "speculative.draft_model=smollm2_135m_random")
     v2 = LLM(cuda_overrides(*common))
     assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
     v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))

@@ -60,6 +60,7 @@ class Drafter:
     # True: propose() of a chain works from a SpecContext of device tensors alone and its forwards take
     # ``new_step=False`` through ``forward_kwargs`` (speculation v2 runs it inside its CUDA-graph step)
     drafts_in_v2 = False
+    v2 = False  # set by use_v2
     forward_kwargs: dict = {}
 
     @classmethod
@@ -72,6 +73,16 @@ class Drafter:
         """After a target EXTEND forward (``hidden`` [num_tokens, hidden]), its positions already committed
         (``req.kv_len`` includes the chunk); ``roots[i]`` is request i's next decode input when this chunk completes
         its prefill, else None."""
+
+    def use_v2(self) -> None:
+        """Called by the v2 worker that drives this drafter: its forwards belong to the iteration's CUDA-graph
+        step (``new_step=False``)."""
+        self.v2 = True
+        self.forward_kwargs = {"new_step": False}
+
+    def on_prefill_launch(self, batch: "ForwardBatch") -> None:
+        """v2: a target EXTEND forward was just queued; a drafter with a KV pool of its own queues the same chunk
+        into it here, so that every later iteration finds it there (nothing waits for the host)."""
 
     def warmup(self) -> None:
         """Compile the drafter's own graphs ahead of serving (model drafters)."""

@@ -37,6 +37,7 @@ def draft_vocab_size(mcfg: ModelConfig) -> int:
 @DRAFTERS.register("draft_model")
 class DraftModelDrafter(ModelDrafter):
     name = "draft_model"
+    drafts_in_v2 = True  # v2: prefill chunks at launch, then num_steps + 1 uniform steps (the last for its K/V)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
@@ -67,7 +68,16 @@ class DraftModelDrafter(ModelDrafter):
         for req in step.reqs:
             req.drafter_state = req.kv_len  # (the chunk's positions are committed already)
 
+    def on_prefill_launch(self, batch: ForwardBatch) -> None:
+        self.runner.forward(batch)  # (v2) the same prompt chunk into the draft pool, at the same slots
+
+    def use_v2(self) -> None:
+        super().use_v2()
+        self.forward_last = True
+
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.v2:  # every accepted token's K/V is in the pool (forward_last): only the root is new
+            return self.step_forward(ctx, ctx.roots[:, None], 0, 0, None, None)
         starts = [r.drafter_state for r in ctx.reqs]
         if all(s == L for s, L in zip(starts, ctx.kv_lens)):  # only the root is new: a uniform decode step
             return self.step_forward(ctx, ctx.roots[:, None], 0, 0, None, None)
@@ -91,7 +101,7 @@ class DraftModelDrafter(ModelDrafter):
     def step_forward(self, ctx: SpecContext, tokens: torch.Tensor, depth: int, col: int,
                      mask: Optional[torch.Tensor], parent_hidden: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.runner.forward(self.draft_batch(ctx, tokens, depth, col, mask))
+        return self.runner.forward(self.draft_batch(ctx, tokens, depth, col, mask), **self.forward_kwargs)
 
     def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
                   hidden: torch.Tensor, new_roots: list[int]) -> None:

@@ -37,6 +37,9 @@ class ModelDrafter(Drafter):
         self.max_children = cfg.topk
         self.runner: ModelRunner = engine.runner  # drafters with a model of their own replace it (own_runner)
         self.layer_ids: Any = None  # layer_skip: the target's layers a draft forward runs
+        # a chain's last draft token also gets a forward, for its K/V: v2 drafters with a pool of their own that
+        # must hold every accepted token (v1 catches them up with an EXTEND instead)
+        self.forward_last = False
 
     @classmethod
     def scratch_width(cls, cfg: SpeculativeConfig) -> int:
@@ -107,7 +110,7 @@ class ModelDrafter(Drafter):
             token, q = self._pick(logits, ctx, depth)
             tokens.append(token)
             qs.append(q)
-            if depth < steps:
+            if depth < steps or self.forward_last:
                 logits, hidden = self.step_forward(ctx, token[:, None], depth, depth, None, hidden[:, None])
         tokens_t = torch.stack(tokens, dim=1)  # [bs, steps + 1]
         draft_probs = None

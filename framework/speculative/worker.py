@@ -63,7 +63,7 @@ class SpecWorker:
         self.width = spec_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
 
-    def on_extend_launch(self, step: ScheduledStep, sampled: torch.Tensor) -> None:
+    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, sampled: torch.Tensor) -> None:
         """v1 drafters learn about prefills from ``Drafter.on_prefill`` once the tokens are on the host."""
 
     def step(self, step: ScheduledStep) -> list[Request]:

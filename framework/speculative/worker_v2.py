@@ -75,7 +75,7 @@ class SpecV2Worker:
         self._sampling: Optional[tuple[tuple, SamplingBatch]] = None
         self._logits_index: dict[int, torch.Tensor] = {}
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
-        drafter.forward_kwargs = {"new_step": False}  # its forwards belong to the iteration's graph step
+        drafter.use_v2()
         self._prepare_fn, self._greedy_fn, self._sampling_fn = self._prepare, self._finish_greedy, self._finish_sampling
         if self.graphs:
             compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
@@ -119,9 +119,11 @@ class SpecV2Worker:
         return torch.cat([accept_lens, accept_tokens.reshape(-1)])
 
     # ---- host side --------------------------------------------------------------------------------------
-    def on_extend_launch(self, step: ScheduledStep, sampled: torch.Tensor) -> None:
-        """Before a prefill step's positions are committed: the requests whose prompt it completes get their token
-        history (prompt, generated tokens, and the token the step samples, still on the device)."""
+    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, sampled: torch.Tensor) -> None:
+        """Before a prefill step's positions are committed: the drafter's own pool gets the chunk, and the requests
+        whose prompt it completes get their token history (prompt, generated tokens, and the token the step
+        samples, still on the device)."""
+        self.drafter.on_prefill_launch(batch)
         rows, seqs, prompt_lens, index, samples = [], [], [], [], []
         for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
             if req.prefilled or req.kv_len + n < req.prefill_target:
