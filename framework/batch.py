@@ -15,12 +15,15 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # one token per request
     TARGET_VERIFY = "target_verify"  # the draft tokens of each request, tree mask, one target forward
     DRAFT_DECODE = "draft_decode"  # the drafter's own decode steps
-    DRAFT_EXTEND = "draft_extend"  # a head drafter catching up on accepted tokens
+    DRAFT_EXTEND = "draft_extend"  # v1: a head drafter catching up on the accepted tokens (ragged: accept lengths vary)
+    # v2: the head drafter over every request's num_steps + 1 emitted tokens, padded (graph-static; its next inputs
+    # are picked at arange(bs) * (num_steps + 1) + accept_len - 1)
+    DRAFT_EXTEND_V2 = "draft_extend_v2"
 
     @property
     def uniform(self) -> bool:
         """True when every request contributes the same number of tokens (graph-capturable)."""
-        return self is not ForwardMode.EXTEND
+        return self not in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
 
 
 @dataclass

@@ -287,7 +287,7 @@ class Engine:
         tokens = sample(logits, batch.sampling)
         self.runner.next_tokens[batch.req_pool_indices] = tokens
         if step.mode is ForwardMode.EXTEND and self.spec_worker is not None:
-            self.spec_worker.on_extend_launch(step, batch, tokens)
+            self.spec_worker.on_extend_launch(step, batch, hidden, tokens)
         self.scheduler.commit_launch(step)
         return Launched(step, batch, AsyncCopy(tokens), hidden if self.drafter is not None else None)
 

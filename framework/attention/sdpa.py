@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from framework.attention import ATTENTION_BACKENDS
 from framework.attention.base import AttentionBackend
-from framework.batch import ForwardBatch
+from framework.batch import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -53,7 +53,9 @@ class PaddedLayout:
 def padded_layout(batch: ForwardBatch, max_context: int, req_to_token: torch.Tensor) -> PaddedLayout:
     """Key width bucket and slots of the batch; for ragged EXTEND batches also the scatter / gather indices
     between the flat tokens and the padded ``[bs, q_len]`` grid (built on the host, one copy to the device)."""
-    width = kv_width_bucket(max(batch.seq_lens_cpu), max_context)
+    # NOTE: v2's draft extend runs from a CUDA graph whose lengths the host does not know: the table's whole width
+    width = max_context if batch.mode is ForwardMode.DRAFT_EXTEND_V2 else kv_width_bucket(max(batch.seq_lens_cpu),
+                                                                                           max_context)
     kv_slots = req_to_token[batch.req_pool_indices, :width]  # [bs, width]
     if batch.mode.uniform:
         return PaddedLayout(kv_slots, width, batch.q_len, torch.full_like(batch.seq_lens, batch.q_len))

@@ -6,7 +6,8 @@
   (``tfs::qkv_rope_store``, through :meth:`forward_projection`);
 - EXTEND (ragged prefill, eager): ``tfs::extend_attention``, causal over the new tokens, whole prefix visible;
 - DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
-- TARGET_VERIFY / DRAFT_EXTEND / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
+- DRAFT_EXTEND (ragged): as EXTEND;
+- TARGET_VERIFY / DRAFT_EXTEND_V2 / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
   tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none).
 
 The kernels read slots straight from the allocator's ``req_to_token`` table, so the metadata is the batch's own

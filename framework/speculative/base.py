@@ -80,9 +80,18 @@ class Drafter:
         self.v2 = True
         self.forward_kwargs = {"new_step": False}
 
-    def on_prefill_launch(self, batch: "ForwardBatch") -> None:
+    extends_after_verify = False  # v2: extend_v2 runs after every verification (head drafters)
+
+    def on_prefill_launch(self, step: "ScheduledStep", batch: "ForwardBatch", hidden: torch.Tensor,
+                          sampled: torch.Tensor) -> None:
         """v2: a target EXTEND forward was just queued; a drafter with a KV pool of its own queues the same chunk
-        into it here, so that every later iteration finds it there (nothing waits for the host)."""
+        into it here, so that every later iteration finds it there (nothing waits for the host). ``hidden`` the
+        target's states over the chunk, ``sampled`` ``[len(step.reqs)]`` the tokens the step samples (device)."""
+
+    def extend_v2(self, rows: torch.Tensor, committed: torch.Tensor, accept_tokens: torch.Tensor,
+                  accept_lens: torch.Tensor, hidden: torch.Tensor, bounds: list[int]) -> None:
+        """v2, drafters with ``extends_after_verify``: DRAFT_EXTEND_V2 over each request's emitted tokens."""
+        raise NotImplementedError
 
     def warmup(self) -> None:
         """Compile the drafter's own graphs ahead of serving (model drafters)."""

@@ -68,7 +68,7 @@ class DraftModelDrafter(ModelDrafter):
         for req in step.reqs:
             req.drafter_state = req.kv_len  # (the chunk's positions are committed already)
 
-    def on_prefill_launch(self, batch: ForwardBatch) -> None:
+    def on_prefill_launch(self, step, batch: ForwardBatch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         self.runner.forward(batch)  # (v2) the same prompt chunk into the draft pool, at the same slots
 
     def use_v2(self) -> None:

@@ -6,6 +6,11 @@ back to the hidden size, one decoder layer, a norm, and the target's LM head. Ra
 The head keeps its own one-layer KV pool (slot indices shared with the target). After the target's prefill and
 after every verify it runs DRAFT_EXTEND over the new tokens with the target's hidden states, which leaves it at the
 next root with its logits and hidden state ready for the first draft step.
+
+Speculation v2 (:meth:`EagleDrafter.use_v2`): the head's state at each request's root lives in device buffers by
+request row; the prefill chunk goes to the head when it is launched, and after every verify one DRAFT_EXTEND_V2
+forward (graph-static: all num_steps + 1 emitted tokens of every request, padded) leaves the state at
+``arange(bs) * (num_steps + 1) + accept_len - 1``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 from torch import nn
 
 from framework.batch import ForwardBatch, ForwardMode
+from framework.kv import DUMMY_ROW
+from framework.transfer import upload
 from framework.config import SpeculativeConfig
 from framework.models.checks import load_safetensors_into
 from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
@@ -81,6 +88,8 @@ class EagleState:
 @DRAFTERS.register("eagle")
 class EagleDrafter(ModelDrafter):
     name = "eagle"
+    drafts_in_v2 = True
+    extends_after_verify = True  # v2: DRAFT_EXTEND_V2 after every verification
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
@@ -102,7 +111,7 @@ class EagleDrafter(ModelDrafter):
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.engine.device)
         n, bs = len(parts[0]), len(rows)
         batch = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=packed[:n], positions=packed[n:2 * n],
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=packed[:n], positions=packed[n:2 * n],
             out_cache_loc=packed[2 * n:3 * n], req_pool_indices=packed[3 * n:3 * n + bs],
             seq_lens=packed[3 * n + bs:3 * n + 2 * bs], seq_lens_cpu=ends, extend_lens_cpu=lens,
             logits_index=packed[3 * n + 2 * bs:], hidden_in=hidden_in)
@@ -135,6 +144,8 @@ class EagleDrafter(ModelDrafter):
         self._extend(reqs, rows, starts, ids, torch.cat(hiddens))
 
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.v2:
+            return self.root_logits[ctx.rows_t], self.root_hidden[ctx.rows_t]
         states = [r.drafter_state for r in ctx.reqs]
         return torch.stack([s.logits for s in states]), torch.stack([s.hidden for s in states])
 
@@ -157,3 +168,82 @@ class EagleDrafter(ModelDrafter):
             rows_idx += [b * n + node for node in path]
         index = torch.tensor(rows_idx, dtype=torch.int64, device=hidden.device)
         self._extend(ctx.reqs, [r.row for r in ctx.reqs], [L + 1 for L in ctx.kv_lens], ids, hidden[index])
+
+    # ---- speculation v2 -----------------------------------------------------------------------------------
+    def use_v2(self) -> None:
+        super().use_v2()
+        eng = self.engine
+        rows, hidden = eng.allocator.req_to_token.shape[0], eng.model.args.hidden_size
+        self.root_logits = torch.zeros(rows, eng.model.args.vocab_size, device=eng.device)  # [rows, vocab]
+        self.root_hidden = torch.zeros(rows, hidden, dtype=eng.dtype, device=eng.device)  # [rows, hidden]
+        self.carry = torch.zeros(rows, hidden, dtype=eng.dtype, device=eng.device)  # last prefilled token's target h
+        if eng.device.type == "cuda":
+            for t in (self.root_logits, self.root_hidden, self.carry):
+                torch._dynamo.mark_static_address(t)
+
+    def on_prefill_launch(self, step, batch: ForwardBatch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        """The chunk (and, where it completes the prompt, the root: the token the step samples, or a re-prefilled
+        request's last token) into the head, each token paired with the target's hidden state of the one before;
+        called before the chunk's positions are committed. Only the index arrays come from the host."""
+        eng, table = self.engine, self.engine.allocator.req_to_token_host
+        n_tok, bs = batch.input_ids.shape[0], len(step.reqs)
+        ids, hs, positions, slots, lens, ends, done_rows, done_at, host_roots = [], [], [], [], [], [], [], [], []
+        offset = 0
+        for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
+            s = req.kv_len
+            done = not req.prefilled and s + n >= req.prefill_target
+            ids += range(offset, offset + n)
+            hs += [n_tok + i if s > 0 else n_tok + bs] + list(range(offset, offset + n - 1))
+            if done:
+                ids.append(n_tok + i if gets else n_tok + bs + len(host_roots))
+                if not gets:
+                    host_roots.append(req.output_ids[-1])
+                hs.append(offset + n - 1)
+                eng.allocator.assign([req.row], [s + n], [s + n + 1])  # the root's slot in the head's pool
+            m = n + done
+            positions += range(s, s + m)
+            slots += table[req.row, s: s + m].tolist()
+            lens.append(m), ends.append(s + m)
+            if done:
+                done_rows.append(req.row), done_at.append(sum(lens) - 1)
+            offset += n
+        parts = [ids, hs, positions, slots, [r.row for r in step.reqs], ends, np.cumsum(lens) - 1, done_rows, done_at,
+                 host_roots, np.cumsum(step.extend_lens) - 1]
+        packed = upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), eng.device)
+        views, at = [], 0
+        for p in parts:
+            views.append(packed[at: at + len(p)])
+            at += len(p)
+        ids_t, hs_t, pos_t, slots_t, rows_t, ends_t, last_t, done_rows_t, done_at_t, host_roots_t, chunk_last = views
+        rows_of_step = rows_t  # [bs]
+        token_src = torch.cat([batch.input_ids, sampled.to(torch.int64), host_roots_t])
+        hidden_src = torch.cat([hidden, self.carry[rows_of_step], torch.zeros_like(hidden[:1])])
+        head_batch = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND, input_ids=token_src[ids_t], positions=pos_t, out_cache_loc=slots_t,
+            req_pool_indices=rows_t, seq_lens=ends_t, seq_lens_cpu=ends, extend_lens_cpu=lens, logits_index=last_t,
+            hidden_in=hidden_src[hs_t])
+        logits, head_hidden = self.runner.forward(head_batch)
+        self.carry[rows_of_step] = hidden[chunk_last]
+        if done_rows:
+            pick = torch.searchsorted(last_t, done_at_t)  # the completing requests' rows of logits
+            self.root_logits[done_rows_t] = logits[pick]
+            self.root_hidden[done_rows_t] = head_hidden[done_at_t]
+
+    def extend_v2(self, rows: torch.Tensor, committed: torch.Tensor, accept_tokens: torch.Tensor,
+                  accept_lens: torch.Tensor, hidden: torch.Tensor, bounds: list[int]) -> None:
+        """DRAFT_EXTEND_V2 after a verification, all on the device: the emitted tokens ``accept_tokens`` ``[bs, q]``
+        (the first ``accept_lens`` valid) at positions ``L + 1 ..`` paired with the target's states over the
+        verified nodes ``hidden`` ``[bs * q, hidden]``; the state at each request's new root is kept."""
+        bs, q = accept_tokens.shape
+        table = self.engine.allocator.req_to_token
+        positions = committed[:, None] + 1 + torch.arange(q, device=rows.device)[None, :]  # [bs, q]
+        batch = ForwardBatch(
+            mode=ForwardMode.DRAFT_EXTEND_V2, input_ids=accept_tokens.reshape(-1).to(torch.int64),
+            positions=positions.reshape(-1), out_cache_loc=table[rows[:, None], positions].reshape(-1),
+            req_pool_indices=rows, seq_lens=committed + 1 + q, seq_lens_cpu=[b + 1 for b in bounds],
+            extend_lens_cpu=[q] * bs, logits_index=torch.arange(bs * q, device=rows.device), hidden_in=hidden)
+        logits, head_hidden = self.runner.forward(batch, **self.forward_kwargs)
+        pick = torch.arange(bs, device=rows.device) * q + accept_lens - 1  # the new root of each request
+        real = (rows != DUMMY_ROW)[:, None]
+        self.root_logits[rows] = torch.where(real, logits[pick], self.root_logits[rows])
+        self.root_hidden[rows] = torch.where(real, head_hidden[pick], self.root_hidden[rows])

@@ -34,15 +34,17 @@ class SpecStats:
     accepted_at_depth: list[int] = field(default_factory=list)  # [num_steps]: verify steps accepting depth d+1
     draft_s: float = 0.0
     verify_s: float = 0.0
-    num_iterations: int = 0  # v2: iterations whose GPU time (draft_s + verify_s, from CUDA events) is counted
+    extend_s: float = 0.0  # v2: the head drafter's DRAFT_EXTEND_V2
+    num_iterations: int = 0  # v2: iterations whose GPU time (draft_s + verify_s + extend_s, CUDA events) is counted
 
     def summary(self) -> dict:
         steps = max(self.num_verify_steps, 1)
-        total = self.draft_s + self.verify_s
+        total = self.draft_s + self.verify_s + self.extend_s
         return {"mean_accept_len": round(self.num_emitted / steps, 4) if self.num_verify_steps else 0.0,
                 "accept_rate_per_position": [round(c / steps, 4) for c in self.accepted_at_depth],
                 "draft_time_share": round(self.draft_s / total, 4) if total else 0.0,
                 "verify_time_share": round(self.verify_s / total, 4) if total else 0.0,
+                **({"extend_time_share": round(self.extend_s / total, 4)} if self.extend_s else {}),
                 **({"gpu_ms_per_iteration": round(1e3 * total / self.num_iterations, 4)} if self.num_iterations else {})}
 
 
@@ -63,7 +65,8 @@ class SpecWorker:
         self.width = spec_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
 
-    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, sampled: torch.Tensor) -> None:
+    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
+                         sampled: torch.Tensor) -> None:
         """v1 drafters learn about prefills from ``Drafter.on_prefill`` once the tokens are on the host."""
 
     def step(self, step: ScheduledStep) -> list[Request]:

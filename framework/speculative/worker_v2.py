@@ -53,7 +53,7 @@ class SpecLaunched:
     step: ScheduledStep
     padded_bs: int
     result: AsyncCopy  # [padded_bs + padded_bs * q]: accept lengths, then the emitted tokens of each request
-    events: Optional[list[torch.cuda.Event]]  # CUDA: before prepare, after prepare, after verify, after finish
+    events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, verified, accepted, extended
 
 
 class SpecV2Worker:
@@ -119,11 +119,12 @@ class SpecV2Worker:
         return torch.cat([accept_lens, accept_tokens.reshape(-1)])
 
     # ---- host side --------------------------------------------------------------------------------------
-    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, sampled: torch.Tensor) -> None:
+    def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
+                         sampled: torch.Tensor) -> None:
         """Before a prefill step's positions are committed: the drafter's own pool gets the chunk, and the requests
         whose prompt it completes get their token history (prompt, generated tokens, and the token the step
         samples, still on the device)."""
-        self.drafter.on_prefill_launch(batch)
+        self.drafter.on_prefill_launch(step, batch, hidden, sampled)
         rows, seqs, prompt_lens, index, samples = [], [], [], [], []
         for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
             if req.prefilled or req.kv_len + n < req.prefill_target:
@@ -164,7 +165,7 @@ class SpecV2Worker:
         rows, starts, ends = [], [], []
         page, limit = self.engine.allocator.page_size, self.engine.allocator.max_context
         for req in reqs:
-            need = req.kv_len + self.q * (1 + req.spec_inflight)
+            need = req.kv_len + self.q * (1 + req.spec_inflight) + 1  # (+1: a draft extend's last position)
             have = self._assigned[req.row]
             if need > have:  # through the end of the last page: the next iterations need no assignment
                 end = min(-(-need // page) * page, limit)
@@ -187,7 +188,7 @@ class SpecV2Worker:
     def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int],
              sampling: SamplingBatch) -> SpecLaunched:
         padded_bs, q = rows.shape[0], self.q
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if self.device.type == "cuda" else None
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if self.device.type == "cuda" else None
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
@@ -206,7 +207,7 @@ class SpecV2Worker:
                              out_cache_loc=slots.reshape(-1), req_pool_indices=rows, seq_lens=seq_lens,
                              seq_lens_cpu=bounds, extend_lens_cpu=[q] * padded_bs,
                              logits_index=self._logits_index[padded_bs])
-        logits, _ = self.engine.runner.forward(batch, new_step=False)
+        logits, hidden = self.engine.runner.forward(batch, new_step=False)
         self._record(events, 2)
         if sampling.all_greedy:
             out = self._greedy_fn(rows, tokens, valid, logits)
@@ -215,6 +216,9 @@ class SpecV2Worker:
             out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                          sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
         self._record(events, 3)
+        if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
+            self.drafter.extend_v2(rows, committed, out[padded_bs:].view(padded_bs, q), out[:padded_bs], hidden, bounds)
+        self._record(events, 4)
         launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
         for req in step.reqs:
             req.spec_inflight += 1
@@ -247,7 +251,7 @@ class SpecV2Worker:
             if sched.append_tokens(req, tokens[b, :n].tolist()):
                 finished.append(req)
             else:  # keep what the next iteration writes; rejected positions' pages go back
-                keep = req.kv_len + q
+                keep = req.kv_len + q + 1
                 alloc.truncate(req.row, keep)
                 self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
         self._account(lens[: len(launched.step.reqs)], launched.events)
@@ -263,6 +267,7 @@ class SpecV2Worker:
         if events is not None:  # complete: the result copy came after the last event
             s.draft_s += events[0].elapsed_time(events[1]) / 1e3
             s.verify_s += events[1].elapsed_time(events[3]) / 1e3
+            s.extend_s += events[3].elapsed_time(events[4]) / 1e3
             s.num_iterations += 1
 
     @torch.inference_mode()
