@@ -1,7 +1,10 @@
 """The speculation contracts (from SGLang's spec-v2 fixes), against v1 and v2 where both apply, on tiny_llama (CPU):
 
-- ``speculative.version`` resolves: auto takes v2 for the chains it runs (ngram, layer_skip, draft_model), else v1
-  with one log line naming the reason (topk > 1, eagle); v2 runs the overlapped loop, v1 does not;
+- ``speculative.version`` resolves: auto takes v2 for chains (every drafter), else v1 with one log line naming the
+  reason (topk > 1); v2 runs the overlapped loop, v1 does not;
+- DRAFT_EXTEND (v1, ragged) and DRAFT_EXTEND_V2 (graph-static: num_steps + 1 tokens per request, the page table's
+  whole width) stay two modes; token ids entering draft extend are int64 whatever their producer's dtype; the head's
+  state after either is the same (the same drafts);
 - token ids entering the target's verify forward are int64, and v2's drafts come from the device token history;
 - a batch padded to a captured size: the metadata sees ``seq_lens_sum`` of the padded ``seq_lens``, the caller's
   batch keeps its raw value;
@@ -36,13 +39,11 @@ def test_version_resolution_and_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
         tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
-        host = LLM(TINY + DRAFTERS["eagle"])
-        skip = LLM(TINY + DRAFTERS["layer_skip"])
+        chains = [LLM(TINY + DRAFTERS[d]) for d in ("layer_skip", "draft_model", "eagle")]
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
-    assert tree.engine.spec_version == "v1" and host.engine.spec_version == "v1"
+    assert tree.engine.spec_version == "v1" and all(c.engine.spec_version == "v2" for c in chains)
     reasons = [r.getMessage() for r in caplog.records if "running v1" in r.getMessage()]
-    assert len(reasons) == 2 and "topk=4" in reasons[0] and "eagle" in reasons[1]
-    assert skip.engine.spec_version == "v2"
+    assert len(reasons) == 1 and "topk=4" in reasons[0]
     assert LLM(TINY + NGRAM + ["speculative.version=v1"]).engine.spec_version == "v1"
 
 
@@ -140,7 +141,7 @@ def test_bonus_token_is_the_next_root_on_the_device():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model", "eagle"])
 def test_v2_equals_plain_and_v1(reference, drafter, batch, page_size):
     common = DRAFTERS[drafter] + [f"scheduler.max_running_requests={batch}", f"kv.page_size={page_size}"]
     count = len(reference) if batch > 1 else 3
@@ -152,7 +153,7 @@ def test_v2_equals_plain_and_v1(reference, drafter, batch, page_size):
     assert all(o == reference[:count] for o in outs.values())
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model", "eagle"])
 def test_v2_seeded_sampling_equals_v1(drafter):
     """Same draws (draft, acceptance, residual) in both iterations: the same tokens, with and without top-k / top-p."""
     reqs = [dict(it, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
@@ -161,3 +162,74 @@ def test_v2_seeded_sampling_equals_v1(drafter):
     got = {v: [o.token_ids for o in LLM(TINY + common + [f"speculative.version={v}"]).generate(reqs)]
            for v in ("v1", "v2")}
     assert got["v1"] == got["v2"]
+
+
+def head_batches(llm: LLM) -> list:
+    """(mode, extend_lens, input dtype, key width of the metadata) of every forward of the EAGLE head."""
+    runner, seen = llm.engine.drafter.runner, []
+    forward = runner.forward
+
+    def spy(batch, *args, **kwargs):
+        out = forward(batch, *args, **kwargs)
+        width = batch.attn.kv_slots.shape[1] if hasattr(batch.attn, "kv_slots") else None
+        seen.append((batch.mode, list(batch.extend_lens_cpu), batch.input_ids.dtype, width))
+        return out
+
+    runner.forward = spy
+    return seen
+
+
+def test_draft_extend_modes_stay_apart():
+    """v1 catches the head up with the ragged DRAFT_EXTEND; v2 with DRAFT_EXTEND_V2: every request feeds num_steps + 1
+    int64 tokens, over the page table's whole width (never a host-derived length); prefill chunks stay ragged."""
+    eagle = DRAFTERS["eagle"] + ["scheduler.max_running_requests=4", "scheduler.max_prefill_tokens=5"]
+    q = 4  # num_steps 3
+    v1 = LLM(TINY + eagle + ["speculative.version=v1"])
+    seen = head_batches(v1)
+    v1.generate(items(4))
+    modes = {m for m, *_ in seen}
+    assert ForwardMode.DRAFT_EXTEND in modes and ForwardMode.DRAFT_EXTEND_V2 not in modes
+    assert not ForwardMode.DRAFT_EXTEND.uniform and ForwardMode.DRAFT_EXTEND_V2.uniform
+    v2 = LLM(TINY + eagle)
+    seen = head_batches(v2)
+    v2.generate(items(4))
+    extends = [s for s in seen if s[0] is ForwardMode.DRAFT_EXTEND_V2]
+    assert extends and all(set(lens) == {q} and dtype == torch.int64 for _, lens, dtype, _ in extends)
+    assert all(width == v2.engine.allocator.req_to_token.shape[1] for *_, width in extends)
+    ragged = [s for s in seen if s[0] is ForwardMode.DRAFT_EXTEND]  # the prefill chunks (and their roots)
+    assert ragged and all(max(lens) <= 6 for _, lens, _, _ in ragged)
+
+
+def test_draft_extend_v2_takes_int64_whatever_the_producer_gave():
+    llm = LLM(TINY + DRAFTERS["eagle"] + ["scheduler.max_running_requests=4"])
+    drafter, dev = llm.engine.drafter, llm.engine.device
+    seen = head_batches(llm)
+    rows = torch.zeros(2, dtype=torch.int64, device=dev)  # dummy rows: nothing of a request is touched
+    hidden = torch.zeros(8, llm.engine.model.args.hidden_size, dtype=llm.engine.dtype, device=dev)
+    drafter.extend_v2(rows, torch.zeros(2, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int32),
+                      torch.ones(2, dtype=torch.int64), hidden, [4, 4])
+    assert seen == [(ForwardMode.DRAFT_EXTEND_V2, [4, 4], torch.int64, llm.engine.allocator.req_to_token.shape[1])]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_eagle_v2_drafts_what_v1_drafts(page_size):
+    """The head's state after DRAFT_EXTEND_V2 (picked at arange(bs) * q + accept_len - 1) and after a chunked
+    prefill is v1's: the same draft tokens in every verify batch."""
+    common = DRAFTERS["eagle"] + ["scheduler.max_running_requests=4", "scheduler.max_prefill_tokens=3",
+                                  f"kv.page_size={page_size}"]
+    got = {}
+    for version in ("v1", "v2"):
+        llm = LLM(TINY + common + [f"speculative.version={version}"])
+        runner, seen = llm.engine.runner, []
+        forward = runner.forward
+
+        def spy(batch, *args, **kwargs):
+            if batch.mode is ForwardMode.TARGET_VERIFY:
+                seen.append(batch.input_ids.tolist())
+            return forward(batch, *args, **kwargs)
+
+        runner.forward = spy
+        llm.generate(items())
+        llm.engine.allocator.assert_all_free()
+        got[version] = seen
+    assert got["v1"] and got["v1"] == got["v2"]

@@ -22,7 +22,8 @@ def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
 
 
-@pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16), ("draft_model", 16)])
+@pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16), ("draft_model", 16),
+                                               ("eagle", 16)])
 def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
