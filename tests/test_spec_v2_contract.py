@@ -1,7 +1,8 @@
 """The speculation contracts (from SGLang's spec-v2 fixes), against v1 and v2 where both apply, on tiny_llama (CPU):
 
-- ``speculative.version`` resolves: auto takes v2 for chains (every drafter), else v1 with one log line naming the
-  reason (topk > 1); v2 runs the overlapped loop, v1 does not;
+- ``speculative.version`` resolves: auto takes v2 for n-gram chains, v2 runs every drafter's chains, and where v2 is
+  not taken v1 runs with one log line naming the reason (topk > 1, a drafter whose v2 is opt-in); v2 runs the
+  overlapped loop, v1 does not;
 - DRAFT_EXTEND (v1, ragged) and DRAFT_EXTEND_V2 (graph-static: num_steps + 1 tokens per request, the page table's
   whole width) stay two modes; token ids entering draft extend are int64 whatever their producer's dtype; the head's
   state after either is the same (the same drafts);
@@ -39,11 +40,13 @@ def test_version_resolution_and_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
         tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
-        chains = [LLM(TINY + DRAFTERS[d]) for d in ("layer_skip", "draft_model", "eagle")]
+        opt_in = LLM(TINY + DRAFTERS["eagle"])
+    chains = [LLM(TINY + DRAFTERS[d] + ["speculative.version=v2"]) for d in ("layer_skip", "draft_model", "eagle")]
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
-    assert tree.engine.spec_version == "v1" and all(c.engine.spec_version == "v2" for c in chains)
+    assert tree.engine.spec_version == "v1" and opt_in.engine.spec_version == "v1"
+    assert all(c.engine.spec_version == "v2" for c in chains)
     reasons = [r.getMessage() for r in caplog.records if "running v1" in r.getMessage()]
-    assert len(reasons) == 1 and "topk=4" in reasons[0]
+    assert len(reasons) == 2 and "topk=4" in reasons[0] and "speculative.version=v2" in reasons[1]
     assert LLM(TINY + NGRAM + ["speculative.version=v1"]).engine.spec_version == "v1"
 
 
@@ -190,7 +193,7 @@ def test_draft_extend_modes_stay_apart():
     modes = {m for m, *_ in seen}
     assert ForwardMode.DRAFT_EXTEND in modes and ForwardMode.DRAFT_EXTEND_V2 not in modes
     assert not ForwardMode.DRAFT_EXTEND.uniform and ForwardMode.DRAFT_EXTEND_V2.uniform
-    v2 = LLM(TINY + eagle)
+    v2 = LLM(TINY + eagle + ["speculative.version=v2"])
     seen = head_batches(v2)
     v2.generate(items(4))
     extends = [s for s in seen if s[0] is ForwardMode.DRAFT_EXTEND_V2]
@@ -201,7 +204,7 @@ def test_draft_extend_modes_stay_apart():
 
 
 def test_draft_extend_v2_takes_int64_whatever_the_producer_gave():
-    llm = LLM(TINY + DRAFTERS["eagle"] + ["scheduler.max_running_requests=4"])
+    llm = LLM(TINY + DRAFTERS["eagle"] + ["scheduler.max_running_requests=4", "speculative.version=v2"])
     drafter, dev = llm.engine.drafter, llm.engine.device
     seen = head_batches(llm)
     rows = torch.zeros(2, dtype=torch.int64, device=dev)  # dummy rows: nothing of a request is touched

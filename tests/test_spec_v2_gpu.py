@@ -29,7 +29,7 @@ def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
     common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4",
               "speculative.draft_model=smollm2_135m_random")
-    v2 = LLM(cuda_overrides(*common))
+    v2 = LLM(cuda_overrides(*common, "speculative.version=v2"))
     assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
     v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
     assert v1.engine.spec_version == "v1"

@@ -24,9 +24,9 @@ TINY_VOCAB = ["model=tiny_llama", "compile=eager", f"model.arch.vocab_size={VOCA
               "model.arch.logit_scale=2.0", "model.arch.init_std=3.0", "scheduler.max_running_requests=1024", "scheduler.max_context=16",
               "kv.page_size=1"]  # init_std 3: the 1-layer draft differs a lot from the target (TV ~ 0.8)
 SPECS = {
-    "chain_sampled_drafts": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2"],  # v2
-    "chain_sampled_drafts_v1": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2",
-                                "speculative.version=v1"],
+    "chain_sampled_drafts": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2"],
+    "chain_sampled_drafts_v2": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2",
+                                "speculative.version=v2"],
     "tree_topk_drafts": ["speculative=layer_skip", "speculative.exit_layer=1", "speculative.num_steps=2",
                          "speculative.topk=2", "speculative.num_draft_tokens=5"],
     "ngram_chain": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1"],  # v2

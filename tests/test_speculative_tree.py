@@ -66,3 +66,42 @@ def test_greedy_verify_follows_the_argmax_path():
     assert res.accept_index.tolist() == [[0, 2, 4], [0, 1, 3]]
     assert res.accept_lens.tolist() == [3, 3] and res.bonus.tolist() == [3, 2]
     assert res.accept_tokens.view(2, 3).tolist() == [[6, 9, 3], [5, 8, 2]]
+
+
+def walk_reference(tokens, parents, valid, predict, num_steps, max_children):
+    """The accepted path by walking down from the root: at each node the first matching valid child."""
+    path = [0]
+    while len(path) <= num_steps:
+        kids = [i for i in range(len(parents)) if parents[i] == path[-1] and valid[i]][:max_children]
+        nxt = [i for i in kids if tokens[i] == predict[path[-1]]]
+        if not nxt:
+            break
+        path.append(nxt[0])
+    return path
+
+
+def test_greedy_verify_equals_a_walk_on_random_trees():
+    """Random trees with duplicate sibling tokens, invalid nodes and more children than max_children."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 3  # small: many matches, siblings sharing a token
+    for n, max_children, num_steps in [(2, 1, 1), (8, 2, 3), (13, 3, 4), (21, 4, 6)]:
+        bs = 16
+        parents = random_parents(bs, n, gen)
+        depths = torch.zeros(bs, n, dtype=torch.int64)
+        for i in range(1, n):
+            depths[:, i] = depths.gather(1, parents[:, i:i + 1])[:, 0] + 1
+        valid = torch.rand(bs, n, generator=gen) < 0.85
+        valid[:, 0] = True
+        tokens = torch.randint(0, vocab, (bs, n), generator=gen)
+        predict = torch.randint(0, vocab, (bs, n), generator=gen)
+        tree = chain_tree(tokens, valid)
+        tree.parents, tree.depths = parents, depths
+        # a node past num_steps, or whose parent is invalid, can never be on a path
+        res = verify_greedy(tree, torch.nn.functional.one_hot(predict, vocab).float().view(-1, vocab), num_steps,
+                            max_children)
+        for b in range(bs):
+            ok = [bool(valid[b, i]) and (i == 0 or bool(valid[b, int(parents[b, i])])) for i in range(n)]
+            path = walk_reference(tokens[b].tolist(), parents[b].tolist(), ok, predict[b].tolist(), num_steps,
+                                  max_children)
+            assert res.accept_index[b].tolist() == path + [-1] * (num_steps + 1 - len(path)), (n, b)
+            assert int(res.accept_lens[b]) == len(path)

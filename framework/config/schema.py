@@ -102,8 +102,8 @@ class SpeculativeConfig:
     draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer
     checkpoint: Optional[str] = None  # eagle: a safetensors file with the head's weights (random when unset)
     seed: int = 0  # eagle: seed of a random-initialised head
-    # auto | v1 | v2: v2 keeps draft, verify and acceptance on the device, overlapped with the host (auto: v2
-    # wherever it can run, else v1 with a log line saying why)
+    # auto | v1 | v2: v2 keeps draft, verify and acceptance on the device, overlapped with the host, for chains
+    # (auto: v2 for ngram, else v1 with a log line saying why)
     version: str = "auto"
 
 

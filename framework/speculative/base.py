@@ -60,6 +60,7 @@ class Drafter:
     # True: propose() of a chain works from a SpecContext of device tensors alone and its forwards take
     # ``new_step=False`` through ``forward_kwargs`` (speculation v2 runs it inside its CUDA-graph step)
     drafts_in_v2 = False
+    v2_by_default = False  # speculative.version=auto takes v2 (its v2 iteration has run on a GPU too)
     v2 = False  # set by use_v2
     forward_kwargs: dict = {}
 

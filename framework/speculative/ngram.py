@@ -98,7 +98,7 @@ def ngram_chain_device(history: torch.Tensor, lens: torch.Tensor, num_steps: int
 @DRAFTERS.register("ngram")
 class NgramDrafter(Drafter):
     name = "ngram"
-    drafts_on_device = drafts_in_v2 = True  # chains: ngram_chain_device (speculation v2)
+    drafts_on_device = drafts_in_v2 = v2_by_default = True  # chains: ngram_chain_device (speculation v2)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg

@@ -1,12 +1,14 @@
 """Verification of a draft tree against the target's logits, on the device, without host synchronisation.
 
 Greedy: follow the child whose token equals the target's argmax; the bonus is the argmax at the last accepted
-node. Stochastic (multi-candidate rejection sampling): at each accepted node try its children in turn; child x is
+node (tensor operations over the whole tree, no loop over depth). Stochastic (multi-candidate rejection sampling): at each accepted node try its children in turn; child x is
 accepted with probability min(1, p(x) / q(x)); after a rejection the target distribution becomes the normalised
 residual max(0, p - q). When no child is accepted (or a leaf is reached) the bonus token is drawn from the
 current residual. Drafters that choose children deterministically use q = one-hot(x), which makes trying
 siblings in turn lossless (a rejected sibling is removed from p). The emitted tokens have exactly the target's
-distribution; temperature / top-k / top-p apply to p and q alike.
+distribution; temperature / top-k / top-p apply to p and q alike. (Each residual depends on the siblings rejected
+before, so stochastic tree verification loops over depth and children, unrolled into the graph; chains are
+vectorized in :mod:`framework.speculative.chain_verify`.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from framework.batch import SamplingBatch
 from framework.sampling import probs_from_logits, sample_from_probs, uniform_noise
 from framework.speculative.base import DraftTree
-from framework.speculative.tree import children_table
+from framework.speculative.tree import ancestor_mask, children_table
 from kernels.fill_bonus_tokens import fill_bonus_tokens
 
 SALT_ACCEPT = 101  # uniform draws for the acceptance tests, one per node
@@ -80,27 +82,27 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampling: SamplingBatch, num_s
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor, num_steps: int, max_children: int) -> VerifyResult:
+    """Tensor operations over the whole tree, no loop over depth: a node is accepted when it and each of its
+    ancestors is the first of its parent's (first ``max_children`` valid) children whose token is the target's
+    argmax at the parent, which is the path a walk from the root down the matching children takes."""
     bs, n = tree.tokens.shape
     dev = tree.tokens.device
-    rows = torch.arange(bs, device=dev)
     predict = logits.argmax(-1).view(bs, n)  # [bs, n] the target's token after each node
-    children = children_table(tree.parents, tree.valid, max_children)  # [bs, n, max_children]
-    accept_index = torch.full((bs, num_steps + 1), -1, dtype=torch.int64, device=dev)
-    accept_index[:, 0] = 0
-    cur = torch.zeros(bs, dtype=torch.int64, device=dev)
-    active = torch.ones(bs, dtype=torch.bool, device=dev)
-    accept_lens = torch.ones(bs, dtype=torch.int64, device=dev)
-    for depth in range(1, num_steps + 1):
-        cands = children[rows, cur]  # [bs, max_children]
-        cand_tokens = torch.gather(tree.tokens, 1, cands.clamp(min=0))
-        match = (cands >= 0) & (cand_tokens == predict[rows, cur][:, None])
-        found = active & match.any(-1)
-        child = torch.gather(cands, 1, match.int().argmax(-1, keepdim=True))[:, 0]  # first match
-        accept_index[:, depth] = torch.where(found, child, -1)
-        accept_lens += found
-        cur = torch.where(found, child, cur)
-        active = found
-    return _finish(predict, accept_index, accept_lens)
+    idx = torch.arange(n, device=dev)
+    parents = tree.parents
+    earlier = (parents[:, :, None] == parents[:, None, :]) & tree.valid[:, None, :] & (idx[None, None, :] <
+                                                                                        idx[None, :, None])
+    rank = earlier.sum(-1)  # [bs, n] earlier valid siblings
+    child = tree.valid & (parents >= 0) & (rank < max_children) & (tree.depths <= num_steps)
+    match = child & (tree.tokens == torch.gather(predict, 1, parents.clamp(min=0)))
+    first = match & ~(earlier & match[:, None, :]).any(-1)  # [bs, n] the first matching child of its parent
+    first[:, 0] = True  # the root
+    accepted = (~ancestor_mask(parents) | first[:, None, :]).all(-1)  # [bs, n]: the accepted path, a chain
+    accept_lens = torch.where(accepted, tree.depths, -1).max(-1).values + 1
+    slot = torch.where(accepted, tree.depths, num_steps + 1)  # each path node's depth; the rest to a dump column
+    accept_index = torch.full((bs, num_steps + 2), -1, dtype=torch.int64, device=dev)
+    accept_index.scatter_(1, slot, idx.expand(bs, n).contiguous())
+    return _finish(predict, accept_index[:, :-1], accept_lens)
 
 
 def verify_stochastic(tree: DraftTree, p_nodes: torch.Tensor, sampling: SamplingBatch, num_steps: int,

@@ -1,5 +1,8 @@
 """``speculative.version``: which iteration runs a drafter. v2 (:mod:`worker_v2`) keeps the whole iteration on the
-device and overlaps it with the host; v1 (:mod:`worker`) drafts on the host and reads every result back."""
+device and overlaps it with the host; v1 (:mod:`worker`) drafts on the host and reads every result back.
+
+``auto`` takes v2 for drafters whose v2 iteration has also been run on a GPU (``Drafter.v2_by_default``); the others
+run v2 when asked (``speculative.version=v2``), v1 otherwise."""
 
 from __future__ import annotations
 
@@ -26,4 +29,10 @@ def resolve_version(cfg: SpeculativeConfig) -> tuple[str, Optional[str]]:
     if cfg.name == "none" or cfg.version == "v1":
         return "v1", None
     reason = v2_unsupported(cfg)
+    if reason is None and cfg.version == "auto":
+        from framework.speculative import DRAFTERS
+
+        if not getattr(DRAFTERS.get(cfg.name), "v2_by_default", False):
+            reason = (f"speculative={cfg.name} runs v2 only when asked (speculative.version=v2) until its v2 "
+                      f"iteration has been run on a GPU")
     return ("v1", reason) if reason else ("v2", None)
