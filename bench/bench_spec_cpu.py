@@ -3,7 +3,7 @@ decoding (``generate(..., prompt_lookup_num_tokens=N)``) on the same model (Smol
 same input-grounded prompts (bench/prompts/grounded.jsonl), greedy, batch 1; plus ours at batch 8 and both
 engines without speculation for reference.
 
-    .venv/bin/python bench/bench_spec_cpu.py [--num-steps 5] [--compile reduce_overhead]
+    .venv/bin/python bench/bench_spec_cpu.py [--num-steps 5] [--compile reduce_overhead] [--versions v1 v2]
 
 Tokens/s = generated tokens / wall time of the generation calls (loading, compilation, a warm-up excluded).
 """
@@ -45,13 +45,16 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--compile", default="reduce_overhead")
+    ap.add_argument("--versions", nargs="+", default=["v1", "v2"], help="speculative.version of our n-gram rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     items = [json.loads(line) for line in open(PROMPTS)]
     rows = []
     base = ["model=smollm2_135m", f"compile={args.compile}"]
     spec = ["speculative=ngram", f"speculative.num_steps={args.num_steps}"]
-    for name, batch, extra in [("ours none", 1, []), ("ours ngram", 1, spec), ("ours ngram", 8, spec)]:
+    runs = [("ours none", 1, [])] + [(f"ours ngram {v}", batch, spec + [f"speculative.version={v}"])
+                                     for v in args.versions for batch in (1, 8)]
+    for name, batch, extra in runs:
         llm = LLM(base + extra + [f"scheduler.max_running_requests={batch}"])
         tok = llm.tokenizer
         prompts = [tok(tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=False),

@@ -405,3 +405,20 @@ def test_ngram_speculation_behind_the_server(tiny_llm):
     mean = samples["tfs_spec_mean_accept_length"]
     assert mean == pytest.approx(samples["tfs_spec_accepted_tokens_total"] / samples["tfs_spec_verify_steps_total"])
     assert mean >= 1.0  # every verify step emits at least its bonus token
+
+
+def test_speculation_v2_serves_the_offline_text(tiny_llm):
+    """The server over the v2 iteration (n-gram, overlapped): completions and streams carry plain decoding's text."""
+    config = compose(TINY + ["run=server", "scheduler.max_running_requests=4", "scheduler.max_context=1024",
+                             "scheduler.overlap=on", "speculative=ngram", "speculative.num_steps=4",
+                             f"run.api_key={KEY}", f"run.served_model_name={MODEL}"])
+    prompts = [PROMPT, "1, 2, 3, 1, 2, 3, 1, 2,"]
+    refs = tiny_llm.generate([{"prompt": p, "max_tokens": 24} for p in prompts])
+    with ServerThread(config) as srv:
+        assert srv.loop.engine.spec_version == "v2"
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        for prompt, ref in zip(prompts, refs):
+            assert c.completions.create(model=MODEL, prompt=prompt, max_tokens=24).choices[0].text == ref.text
+            stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream) == ref.text
+        srv.loop.engine.allocator.assert_all_free()
