@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from framework.config import ConfigError
-from framework.engine import resolve_pdl
+from framework.resolve import resolve_pdl
 from kernels.decode_attention import decode_attention
 from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, gemv_reference,
                           launch_class, launch_gemv, pdl_options)
