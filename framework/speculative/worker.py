@@ -37,6 +37,17 @@ class SpecStats:
     extend_s: float = 0.0  # v2: the head drafter's DRAFT_EXTEND_V2
     num_iterations: int = 0  # v2: iterations whose GPU time (draft_s + verify_s + extend_s, CUDA events) is counted
 
+    def add(self, lens: list[int], draft_s: float = 0.0, verify_s: float = 0.0, extend_s: float = 0.0) -> None:
+        """Count verify steps emitting ``lens[i]`` tokens each, and time spent drafting / verifying / extending."""
+        self.num_verify_steps += len(lens)
+        self.num_emitted += sum(lens)
+        for length in lens:
+            for d in range(min(length - 1, len(self.accepted_at_depth))):
+                self.accepted_at_depth[d] += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.extend_s += extend_s
+
     def summary(self) -> dict:
         steps = max(self.num_verify_steps, 1)
         total = self.draft_s + self.verify_s + self.extend_s
@@ -144,11 +155,4 @@ class SpecWorker:
             pool.v[layer][idx[1]] = pool.v[layer][idx[0]]
 
     def _record(self, lens: list[int], draft_s: float, verify_s: float) -> None:
-        s = self.stats
-        s.num_verify_steps += len(lens)
-        s.num_emitted += sum(lens)
-        for length in lens:
-            for d in range(min(length - 1, len(s.accepted_at_depth))):
-                s.accepted_at_depth[d] += 1
-        s.draft_s += draft_s
-        s.verify_s += verify_s
+        self.stats.add(lens, draft_s, verify_s)

@@ -258,17 +258,12 @@ class SpecV2Worker:
         return finished
 
     def _account(self, lens: list[int], events: Optional[list[torch.cuda.Event]]) -> None:
-        s = self.stats
-        s.num_verify_steps += len(lens)
-        s.num_emitted += sum(lens)
-        for length in lens:
-            for d in range(min(length - 1, len(s.accepted_at_depth))):
-                s.accepted_at_depth[d] += 1
-        if events is not None:  # complete: the result copy came after the last event
-            s.draft_s += events[0].elapsed_time(events[1]) / 1e3
-            s.verify_s += events[1].elapsed_time(events[3]) / 1e3
-            s.extend_s += events[3].elapsed_time(events[4]) / 1e3
-            s.num_iterations += 1
+        if events is None:
+            self.stats.add(lens)
+            return
+        ms = [events[i].elapsed_time(events[j]) / 1e3 for i, j in ((0, 1), (1, 3), (3, 4))]  # (the copy came last)
+        self.stats.add(lens, *ms)
+        self.stats.num_iterations += 1
 
     @torch.inference_mode()
     def warmup(self) -> None:
