@@ -27,10 +27,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from framework.attention.flex import attend, block_tiles  # noqa: E402
-from kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers tfs::decode_attention)
-from kernels.mask_bits import pack_mask_bits  # noqa: E402
-from kernels.split_kv_attention import split_policy  # noqa: E402
-from kernels.verify_attention import verify_attention_op  # noqa: E402,F401
+from tfs_kernels.decode_attention import decode_attention_op  # noqa: E402,F401  (registers tfs::decode_attention)
+from tfs_kernels.mask_bits import pack_mask_bits  # noqa: E402
+from tfs_kernels.split_kv_attention import split_policy  # noqa: E402
+from tfs_kernels.verify_attention import verify_attention_op  # noqa: E402,F401
 from knobs import add_set_option, apply_sets  # noqa: E402  (bench/, the script's directory)
 
 HEADS, KV_HEADS, DIM = 32, 8, 128  # Llama-3-8B attention

@@ -2,7 +2,7 @@
 before anything is compiled, so that a sweep or an A/B runs on one commit. Not run by itself; the scripts that take
 the option (bench_attention.py, profile_gpu_decode.py, partial_sass.py), e.g.
 
-    python3 bench/profile_gpu_decode.py --set kernels.split_kv_merge.REDUCE_NUM_WARPS=4 -- attention=triton
+    python3 bench/profile_gpu_decode.py --set tfs_kernels.split_kv_merge.REDUCE_NUM_WARPS=4 -- attention=triton
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ def add_set_option(ap: argparse.ArgumentParser) -> None:
     """Add ``--set`` (any number of ``MODULE.NAME[.KEY]=VALUE``) to a benchmark's parser."""
     ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME[.KEY]=VALUE",
                     help="override a module-level tuning constant (a Python literal), e.g. "
-                         "kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
-                         "kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
+                         "tfs_kernels.split_kv_attention.MIN_SPLIT_LEN=128 or "
+                         "tfs_kernels.split_kv_attention.CUDA_LAUNCH.decode_small=(32,4,1)")
 
 
 def set_constant(ap: argparse.ArgumentParser, item: str) -> None:

@@ -33,11 +33,11 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from knobs import add_set_option, apply_sets  # noqa: E402
-from kernels.gemv import _gemv_kernel, stream_hints  # noqa: E402
-from kernels.lm_head import _lm_head_kernel  # noqa: E402
-from kernels.qkv_rope_store import _qkv_rope_store_kernel  # noqa: E402
-from kernels.split_kv_attention import _split_kv_partial_kernel as KERNEL  # noqa: E402
-from kernels.split_kv_merge import split_kv_merge_kernel  # noqa: E402
+from tfs_kernels.gemv import _gemv_kernel, stream_hints  # noqa: E402
+from tfs_kernels.lm_head import _lm_head_kernel  # noqa: E402
+from tfs_kernels.qkv_rope_store import _qkv_rope_store_kernel  # noqa: E402
+from tfs_kernels.split_kv_attention import _split_kv_partial_kernel as KERNEL  # noqa: E402
+from tfs_kernels.split_kv_merge import split_kv_merge_kernel  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "Req_to_token": "*i64",
             "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mask": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"}
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--launch", metavar="BLOCK_N,BLOCK_K,WARPS,STAGES",
                     help="another launch of a gemv-family kernel (gemv, gate_up, down, lm_head, gemv_vocab, qkv)")
     ap.add_argument("--ttgir", action="store_true", help="also print the TTGIR's layout conversions")
-    add_set_option(ap)  # e.g. kernels.gemv.WEIGHT_EVICT_FIRST=True (the weight stream's L2 hints)
+    add_set_option(ap)  # e.g. tfs_kernels.gemv.WEIGHT_EVICT_FIRST=True (the weight stream's L2 hints)
     args = ap.parse_args()
     apply_sets(ap, args.set)
     if args.kernel != "partial":
@@ -97,7 +97,7 @@ def main() -> None:
                 ap.error(f"--launch: not for --kernel {args.kernel}")
             block_n, block_k, warps, stages = (int(v) for v in args.launch.split(","))
             consts = {**consts, "BLOCK_N": block_n, "BLOCK_K": block_k}
-        if "PREFETCH_K" in consts:  # the gemv family: the weight stream's L2 hints, as kernels/gemv.py sets them
+        if "PREFETCH_K" in consts:  # the gemv family: the weight stream's L2 hints, as tfs_kernels/gemv.py sets them
             consts = {**stream_hints(), **consts}
         if "USE_PDL" in consts and args.no_pdl:
             consts = {**consts, "USE_PDL": False, "PRELOAD": False}

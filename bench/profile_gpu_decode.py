@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
-from kernels.gemv import PREFETCH_CHOICES  # noqa: E402
+from tfs_kernels.gemv import PREFETCH_CHOICES  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
@@ -61,10 +61,10 @@ def main() -> None:
     ap.add_argument("--mode", default="reduce_overhead", choices=["reduce_overhead", "eager"])
     ap.add_argument("--timeline", type=int, default=24, help="print this many kernels of one forward in order")
     ap.add_argument("--gemv-launch", nargs="*", default=[], metavar="CLASS=BN,BK,WARPS,STAGES",
-                    help="replace tfs::gemv launch classes (kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
+                    help="replace tfs::gemv launch classes (tfs_kernels/gemv.py CUDA_LAUNCH), e.g. square=8,1024,4,3")
     ap.add_argument("--pdl-prefetch-k", type=int, choices=PREFETCH_CHOICES,
                     help="weight columns every PDL gemv prefetches into L2 before its wait, in every launch class "
-                         "(kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's), before any --set")
+                         "(tfs_kernels/gemv.py PDL_PREFETCH_K, also tfs::qkv_rope_store's), before any --set")
     add_set_option(ap)
     ap.add_argument("--floor", action="store_true",
                     help="also measure the copy bandwidth and print the GPU span over the HBM floor (the weight "
@@ -72,12 +72,12 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     if args.pdl_prefetch_k:
-        from kernels.gemv import PDL_PREFETCH_K
+        from tfs_kernels.gemv import PDL_PREFETCH_K
 
         PDL_PREFETCH_K.update(dict.fromkeys(PDL_PREFETCH_K, args.pdl_prefetch_k))
     apply_sets(ap, args.set)
     for item in args.gemv_launch:
-        from kernels.gemv import CUDA_LAUNCH
+        from tfs_kernels.gemv import CUDA_LAUNCH
 
         name, launch = item.split("=")
         if name not in CUDA_LAUNCH:

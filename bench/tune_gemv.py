@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_attention import copy_bandwidth  # noqa: E402
-import kernels.gemv as gemv_module  # noqa: E402
-from kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_class, launch_gemv  # noqa: E402
-from kernels.pdl import HAS_GDC  # noqa: E402
+import tfs_kernels.gemv as gemv_module  # noqa: E402
+from tfs_kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_class, launch_gemv  # noqa: E402
+from tfs_kernels.pdl import HAS_GDC  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
 # what the decoder layer fuses into each product: (RMSNorm prologue, residual epilogue, SiLU-mul prologue)
@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="one copy of each weight, read again by every call")
     ap.add_argument("--fused", action="store_true", help="sweep each weight with the layer's fusion (no cuBLAS row)")
     ap.add_argument("--norm-first", action="store_true",
-                    help="kernels.gemv.LATE_NORM off: RMSNorm in a pass over x before the product")
+                    help="tfs_kernels.gemv.LATE_NORM off: RMSNorm in a pass over x before the product")
     args = ap.parse_args()
     gemv_module.LATE_NORM = not args.norm_first
     for name in set(SHAPES) - set(args.shapes):

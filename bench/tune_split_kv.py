@@ -1,5 +1,5 @@
 """Sweep the split-K attention kernel's launch parameters on a CUDA GPU: (BLOCK_N, num_warps, num_stages) of
-``kernels.split_kv_attention.CUDA_LAUNCH`` for decode (1 token per request) and verify (8 tokens, tree mask), and
+``tfs_kernels.split_kv_attention.CUDA_LAUNCH`` for decode (1 token per request) and verify (8 tokens, tree mask), and
 the programs-per-SM target of the split policy. Llama-3-8B attention shape, bf16, page_size 16.
 
     python bench/tune_split_kv.py                      # ~3 min on an H200
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_attention as ba  # noqa: E402
-import kernels.split_kv_attention as skv  # noqa: E402
+import tfs_kernels.split_kv_attention as skv  # noqa: E402
 
 
 def main() -> None:

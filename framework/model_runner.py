@@ -19,7 +19,7 @@ from framework.compile_guards import CAN_SKIP_GUARDS, full_guards, guarded_if_sk
 from framework.graph_inputs import StaticInputs, pad_fresh
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
-from kernels.inductor_fallbacks import register_inductor_fallbacks
+from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
 

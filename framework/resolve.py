@@ -21,10 +21,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_pdl(setting: str, device: torch.device) -> bool:
-    """``compile.pdl``: launch the decode path's kernels with programmatic dependent launch (kernels/pdl.py)."""
+    """``compile.pdl``: launch the decode path's kernels with programmatic dependent launch (tfs_kernels/pdl.py)."""
     if setting == "off" or (setting == "auto" and device.type != "cuda"):
         return False
-    from kernels.pdl import pdl_supported  # imports triton: only on CUDA or when the setting asks
+    from tfs_kernels.pdl import pdl_supported  # imports triton: only on CUDA or when the setting asks
 
     supported = pdl_supported(device)
     if setting == "on" and not supported:

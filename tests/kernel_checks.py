@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.mask_bits import pack_mask_bits
-from kernels.verify_attention import verify_attention, verify_attention_reference
+from tfs_kernels.decode_attention import decode_attention, decode_attention_reference
+from tfs_kernels.extend_attention import extend_attention, extend_attention_reference
+from tfs_kernels.mask_bits import pack_mask_bits
+from tfs_kernels.verify_attention import verify_attention, verify_attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import torch
 
 from framework import LLM
 from framework.batch import ForwardMode
-from kernels.dispatch import interpreter_active
+from tfs_kernels.dispatch import interpreter_active
 from tests.conftest import TINY
 from tests.test_attention_sdpa import run_case
 from tests.test_engine import PROMPTS
@@ -32,7 +32,7 @@ CASES = {
     "verify_tree": dict(prefix_lens=[3, 17, 64], new_lens=[8] * 3, mode=ForwardMode.TARGET_VERIFY, tree=True),
     "draft_wide_mask": dict(prefix_lens=[12, 30], new_lens=[4, 4], mode=ForwardMode.DRAFT_DECODE, tree=True,
                             mask_extra=9),
-    # wider than one word: attention=triton passes bytes (kernels/mask_bits.py)
+    # wider than one word: attention=triton passes bytes (tfs_kernels/mask_bits.py)
     "draft_mask_over_64": dict(prefix_lens=[80, 100], new_lens=[4, 4], mode=ForwardMode.DRAFT_DECODE, tree=True,
                                mask_extra=66),
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fill_bonus_tokens import fill_bonus_tokens, fill_bonus_tokens_ref
+from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens, fill_bonus_tokens_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_stride_is_the_accept_index_width_not_num_draft_tokens():
 
 _INTERPRETED = """
 import torch
-from kernels.fill_bonus_tokens import fill_bonus_tokens, fill_bonus_tokens_ref
+from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens, fill_bonus_tokens_ref
 for seed, (bs, stride) in enumerate([(1, 1), (3, 4), (130, 5), (257, 9)]):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50000, (bs * stride,), generator=gen)

@@ -1,4 +1,4 @@
-"""kernels/inductor_fallbacks.py: the tfs ops get inductor's fallback lowering before a compile, and a compiled graph
+"""tfs_kernels/inductor_fallbacks.py: the tfs ops get inductor's fallback lowering before a compile, and a compiled graph
 through a pre-registered opaque op computes what eager code does."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch._inductor.config
 from torch._inductor.lowering import lowerings
 
-import kernels.decode_attention  # noqa: F401  (registers tfs::decode_attention[_pdl])
-import kernels.gemv  # noqa: F401
-from kernels.inductor_fallbacks import register_inductor_fallbacks
+import tfs_kernels.decode_attention  # noqa: F401  (registers tfs::decode_attention[_pdl])
+import tfs_kernels.gemv  # noqa: F401
+from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
 
 
 @torch.library.custom_op("tfs::test_fallback_layer", mutates_args=())

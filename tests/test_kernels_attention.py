@@ -1,4 +1,4 @@
-"""The attention kernels of ``kernels/`` against their plain-torch references, on fresh random inputs.
+"""The attention kernels of ``tfs_kernels/`` against their plain-torch references, on fresh random inputs.
 
 CPU: the Triton interpreter, small fp32 shapes (the interpreter is slow, and it mishandles bf16 loads).
 ``TRITON_INTERPRET=1`` must be in the environment before triton is first imported (triton.language's own jitted
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.dispatch import interpreter_active
-from kernels.mask_bits import pack_mask_bits
-from kernels.split_kv_attention import split_policy, split_slots
-from kernels.store_kv import store_kv, store_kv_reference
-from kernels.verify_attention import verify_attention, verify_attention_reference
+from tfs_kernels.decode_attention import decode_attention, decode_attention_reference
+from tfs_kernels.dispatch import interpreter_active
+from tfs_kernels.mask_bits import pack_mask_bits
+from tfs_kernels.split_kv_attention import split_policy, split_slots
+from tfs_kernels.store_kv import store_kv, store_kv_reference
+from tfs_kernels.verify_attention import verify_attention, verify_attention_reference
 from tests.kernel_checks import (check_extend, check_split_kv, paged_table, random_pool, run_interpreted,
                                  run_opcheck_without_interpreter, tree_mask)
 
@@ -155,7 +155,7 @@ def check_merge_ignores_stale_partials(device: str, use_pdl: bool = False, early
     zeros."""
     import triton
 
-    from kernels.split_kv_merge import split_kv_merge_kernel
+    from tfs_kernels.split_kv_merge import split_kv_merge_kernel
 
     gen = torch.Generator().manual_seed(4)
     q_len, heads, dim, max_splits = 2, 3, 16, 8
@@ -192,7 +192,7 @@ def test_merge_ignores_stale_partials_interpreted():
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_pdl,early_trigger", [(False, False), (True, False), (True, True)])
 def test_merge_ignores_stale_partials_on_cuda(use_pdl, early_trigger):
-    from kernels.pdl import HAS_GDC
+    from tfs_kernels.pdl import HAS_GDC
 
     if use_pdl and not HAS_GDC:
         pytest.skip("this Triton has no grid dependency control")

@@ -1,4 +1,4 @@
-"""``tfs::gemv`` (kernels/gemv.py) against its plain-torch reference on fresh random inputs, with every fusion.
+"""``tfs::gemv`` (tfs_kernels/gemv.py) against its plain-torch reference on fresh random inputs, with every fusion.
 
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small fp32 shapes,
 including a K that is not a multiple of the tile. GPU (``pytest -m gpu``): Llama-3-8B's linear shapes in bf16 at
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import interpreter_active
-from kernels.gemv import gemv, gemv_reference
+from tfs_kernels.dispatch import interpreter_active
+from tfs_kernels.gemv import gemv, gemv_reference
 from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 
 INTERPRETED = interpreter_active()
@@ -51,9 +51,9 @@ def test_gemv_interpreted(rows: int, n: int, k: int, fusion: str) -> None:
 @pytest.mark.parametrize("fusion", ["norm", "norm+residual"])
 def test_gemv_one_row_norm_first_interpreted(fusion: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row's RMSNorm as a pass over x before the product (``LATE_NORM`` off), the path the tuner compares."""
-    import kernels.gemv
+    import tfs_kernels.gemv
 
-    monkeypatch.setattr(kernels.gemv, "LATE_NORM", False)
+    monkeypatch.setattr(tfs_kernels.gemv, "LATE_NORM", False)
     check(1, 40, 96, fusion, "cpu", torch.float32, 1e-4, seed=7)
 
 
@@ -77,7 +77,7 @@ def test_fused_decoder_layer_equals_unfused_interpreted(rows: int) -> None:
     """DecoderLayer.forward(fused=True) (four tfs::gemv calls with norm / SiLU-mul / residual folded in) computes
     what the unfused layer computes, on a tiny Llama layer with GQA."""
     from framework.models.llama import DecoderLayer, LlamaArgs
-    from kernels.rope_store import rope_at
+    from tfs_kernels.rope_store import rope_at
 
     torch.manual_seed(rows)
     args = LlamaArgs(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -176,7 +176,7 @@ def test_fused_decode_same_tokens_as_unfused(model: str, monkeypatch: pytest.Mon
     tiny_llama in float32; for SmolLM2-shaped bf16 (8 layers), identical for at least the first 8 steps (the fused
     kernels sum in another order, and bf16 rounding may flip a late near-tie), like the attention backends' bf16
     test."""
-    import kernels.gemv as gemv_module
+    import tfs_kernels.gemv as gemv_module
     from framework import LLM
     from tests.test_attention_backends import BF16_PROMPTS
     from tests.test_gpu import cuda_overrides

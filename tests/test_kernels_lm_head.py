@@ -1,4 +1,4 @@
-"""``tfs::lm_head`` (kernels/lm_head.py): the final RMSNorm, the lm_head and the float32 logits of every row in one
+"""``tfs::lm_head`` (tfs_kernels/lm_head.py): the final RMSNorm, the lm_head and the float32 logits of every row in one
 kernel give what the unfused tail gives (``RMSNorm.forward``, ``tfs::gemv``, ``.float()``) and what the plain-torch
 reference gives.
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import interpreter_active
-from kernels.gemv import gemv
-from kernels.lm_head import lm_head, lm_head_applies, lm_head_reference
+from tfs_kernels.dispatch import interpreter_active
+from tfs_kernels.gemv import gemv
+from tfs_kernels.lm_head import lm_head, lm_head_applies, lm_head_reference
 from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 
 INTERPRETED = interpreter_active()
@@ -96,7 +96,7 @@ def test_lm_head_gpu(rows: int) -> None:
 
 @pytest.mark.gpu
 def test_lm_head_pdl_gpu() -> None:
-    from kernels.pdl import pdl_supported
+    from tfs_kernels.pdl import pdl_supported
 
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0")

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py, ``compile.pdl``): each ``tfs::*_pdl`` op gives bit for bit what
+"""Programmatic dependent launch (tfs_kernels/pdl.py, ``compile.pdl``): each ``tfs::*_pdl`` op gives bit for bit what
 its plain op gives, alone and chained in a compiled CUDA graph (where a kernel that read its predecessor's output
 before ``gdc_wait`` could read stale memory), and a model decodes, plainly and speculatively, the same tokens with
 PDL on and off.
@@ -13,15 +13,15 @@ import torch
 
 from framework.config import ConfigError
 from framework.resolve import resolve_pdl
-from kernels.decode_attention import decode_attention
-from kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, gemv_reference,
+from tfs_kernels.decode_attention import decode_attention
+from tfs_kernels.gemv import (CUDA_LAUNCH, PDL_PREFETCH_K, PDL_PRELOAD, PREFETCH_CHOICES, gemv, gemv_reference,
                           launch_class, launch_gemv, pdl_options)
-from kernels.mask_bits import pack_mask_bits
-from kernels.pdl import pdl_supported
-from kernels.qkv_rope_store import qkv_rope_store
-from kernels.rope_store import rope_store_kv
-from kernels.split_kv_attention import split_policy
-from kernels.verify_attention import verify_attention
+from tfs_kernels.mask_bits import pack_mask_bits
+from tfs_kernels.pdl import pdl_supported
+from tfs_kernels.qkv_rope_store import qkv_rope_store
+from tfs_kernels.rope_store import rope_store_kv
+from tfs_kernels.split_kv_attention import split_policy
+from tfs_kernels.verify_attention import verify_attention
 from tests.kernel_checks import paged_table, random_pool, tree_mask
 from tests.test_kernels_gemv import gemv_args
 from tests.test_kernels_rope_store import rope_args
@@ -138,7 +138,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain(lens: list[int]) -> None:
     decode; o with residual; the MLP's two gemvs), each kernel reading what the one before wrote: every replay's
     output and KV cache are bit-identical eagerly (one launch at a time) and compiled with reduce-overhead, with
     PDL and without. At batch 1 the gemvs take their one-row launches, where those of the classes in
-    kernels/gemv.py PDL_PRELOAD preload their first weight chunk before the wait and o launches before the merge's
+    tfs_kernels/gemv.py PDL_PRELOAD preload their first weight chunk before the wait and o launches before the merge's
     wait."""
     from framework.kv import KVPool
 

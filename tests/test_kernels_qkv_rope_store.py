@@ -1,4 +1,4 @@
-"""``tfs::qkv_rope_store`` (kernels/qkv_rope_store.py): the qkv projection, RoPE and the K/V store in one kernel
+"""``tfs::qkv_rope_store`` (tfs_kernels/qkv_rope_store.py): the qkv projection, RoPE and the K/V store in one kernel
 give what ``tfs::gemv`` followed by ``tfs::rope_store_kv`` give, and what their plain-torch references give.
 
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small shapes, one
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import interpreter_active
-from kernels.gemv import gemv
-from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies, qkv_rope_store_reference
-from kernels.rope_store import rope_store_kv
+from tfs_kernels.dispatch import interpreter_active
+from tfs_kernels.gemv import gemv
+from tfs_kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies, qkv_rope_store_reference
+from tfs_kernels.rope_store import rope_store_kv
 from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 from tests.test_kernels_rope_store import rope_args
 
@@ -93,7 +93,7 @@ def test_qkv_rope_store_gpu(heads: int, kv_heads: int, dim: int, hidden: int, ro
 
 @pytest.mark.gpu
 def test_qkv_rope_store_pdl_gpu() -> None:
-    from kernels.pdl import pdl_supported
+    from tfs_kernels.pdl import pdl_supported
 
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9.0")

@@ -1,4 +1,4 @@
-"""``tfs::rope_store_kv`` (kernels/rope_store.py) against its plain-torch reference, on fresh random inputs.
+"""``tfs::rope_store_kv`` (tfs_kernels/rope_store.py) against its plain-torch reference, on fresh random inputs.
 
 CPU: the Triton interpreter (in a ``TRITON_INTERPRET=1`` subprocess under a plain ``pytest``), small fp32 shapes,
 including a half head_dim that is not a power of two, a qkv that is a column slice of a wider tensor and cos / sin
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import interpreter_active
-from kernels.rope_store import rope_store_kv, rope_store_kv_reference
+from tfs_kernels.dispatch import interpreter_active
+from tfs_kernels.rope_store import rope_store_kv, rope_store_kv_reference
 from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
 
 INTERPRETED = interpreter_active()
@@ -66,7 +66,7 @@ def check(args: tuple, tol: float) -> None:
 def test_reference_is_the_models_unfused_code() -> None:
     """The reference computes what the unfused layer does: ``apply_rope`` on q and k, then ``store_kv``."""
     from framework.models.llama import apply_rope
-    from kernels.store_kv import store_kv_reference
+    from tfs_kernels.store_kv import store_kv_reference
 
     for dtype, cache_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                (torch.bfloat16, torch.float16)):

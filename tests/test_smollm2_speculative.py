@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from framework import LLM
-from kernels.dispatch import interpreter_active
+from tfs_kernels.dispatch import interpreter_active
 from tests.kernel_checks import run_interpreted
 from tests.test_smollm2_golden import CHATS
 

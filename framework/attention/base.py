@@ -43,7 +43,7 @@ class AttentionBackend:
 
     def forward_qkv(self, qkv: torch.Tensor, rope: Any, layer: int, meta: Any) -> Optional[torch.Tensor]:
         """A backend that fuses RoPE and the K/V store takes the raw projection here: qkv ``[n, (heads + 2 *
-        kv_heads) * head_dim]``, rope a :class:`kernels.rope_store.Rope` -> ``[n, heads * head_dim]``. None:
+        kv_heads) * head_dim]``, rope a :class:`tfs_kernels.rope_store.Rope` -> ``[n, heads * head_dim]``. None:
         not fused, the model applies RoPE and calls :meth:`forward`."""
         return None
 

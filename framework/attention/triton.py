@@ -1,4 +1,4 @@
-"""``attention=triton``: Triton kernels (``kernels/``) straight over the paged KV pool.
+"""``attention=triton``: Triton kernels (``tfs_kernels/``) straight over the paged KV pool.
 
 - every mode first applies RoPE to q and k and writes the new K/V into the pool at ``out_cache_loc``, in one kernel
   (``tfs::rope_store_kv``, through :meth:`forward_qkv`; :meth:`forward` takes roped q/k and uses ``tfs::store_kv``);
@@ -27,7 +27,7 @@ from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch
 from framework.config import ConfigError
 from framework.kv import KVAllocator, KVPool
-from kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits  # plain torch: no triton import
+from tfs_kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits  # plain torch: no triton import
 
 NEEDS_CUDA = "attention=triton needs a CUDA device (set TRITON_INTERPRET=1 to run the Triton interpreter on the CPU)"
 
@@ -58,7 +58,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
         super().__init__(pool, allocator, num_heads, num_kv_heads, head_dim)
-        from kernels.dispatch import INTERPRET, interpreter_active  # triton-free module: checked before triton
+        from tfs_kernels.dispatch import INTERPRET, interpreter_active  # triton-free module: checked before triton
 
         if allocator.device.type != "cuda":
             if not INTERPRET:
@@ -69,13 +69,13 @@ class TritonBackend(AttentionBackend):
         if num_heads % num_kv_heads:
             raise ConfigError(f"attention=triton: {num_heads} query heads are not a multiple of "
                               f"{num_kv_heads} KV heads")
-        from kernels.decode_attention import decode_attention
-        from kernels.extend_attention import extend_attention
-        from kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
-        from kernels.rope_store import rope_store_kv
-        from kernels.split_kv_attention import split_policy
-        from kernels.store_kv import store_kv
-        from kernels.verify_attention import verify_attention
+        from tfs_kernels.decode_attention import decode_attention
+        from tfs_kernels.extend_attention import extend_attention
+        from tfs_kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
+        from tfs_kernels.rope_store import rope_store_kv
+        from tfs_kernels.split_kv_attention import split_policy
+        from tfs_kernels.store_kv import store_kv
+        from tfs_kernels.verify_attention import verify_attention
 
         self._decode, self._extend, self._verify, self._store = decode_attention, extend_attention, \
             verify_attention, store_kv

@@ -45,7 +45,7 @@ class ModelConfig:
     seed: int = 0  # random weights only
     eos_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
     # compiled (CUDA-graph) one-token forwards on CUDA run each layer's linears as tfs::gemv with the norms,
-    # SiLU-mul and residual adds fused in (kernels/gemv.py); false: cuBLAS and separate elementwise kernels
+    # SiLU-mul and residual adds fused in (tfs_kernels/gemv.py); false: cuBLAS and separate elementwise kernels
     fused_decode: bool = True
     arch: ArchConfig = field(default_factory=ArchConfig)
 
@@ -68,7 +68,7 @@ class CompileConfig:
     # opt-in: after one fully guarded call per input signature, later calls skip dynamo's guard evaluation
     # (process-wide skip_guard_eval_unsafe stance: other torch.compile'd code in the process is affected too)
     skip_guards: bool = False
-    # programmatic dependent launch of a compiled model's Triton kernels (kernels/pdl.py): auto (on where supported:
+    # programmatic dependent launch of a compiled model's Triton kernels (tfs_kernels/pdl.py): auto (on where supported:
     # CUDA compute capability >= 9.0 and a Triton with grid dependency control) | on | off
     pdl: str = "auto"
     # compiled forwards on CUDA: prefill (EXTEND) too, as one inductor graph with dynamic sizes (no CUDA graphs),

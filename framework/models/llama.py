@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels.gemv import gemv
-from kernels.lm_head import lm_head
-from kernels.rope_store import Rope, apply_rope, rope_at
+from tfs_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from tfs_kernels.gemv import gemv
+from tfs_kernels.lm_head import lm_head
+from tfs_kernels.rope_store import Rope, apply_rope, rope_at
 
 
 # the fused decode path's tail as one kernel (tfs::lm_head) instead of inductor's norm, tfs::gemv and inductor's
@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
-        ``pdl``: their programmatic-dependent-launch variant (kernels/pdl.py)."""
+        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
             norm = self.input_layernorm

@@ -18,7 +18,7 @@ import torch
 from framework.sampling import probs_from_logits, sample_from_probs, uniform_noise
 from framework.speculative import verify as tree_verify  # (its residual_after_rejection: one definition)
 from framework.speculative.verify import SALT_ACCEPT, SALT_RESIDUAL
-from kernels.fill_bonus_tokens import fill_bonus_tokens
+from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens
 
 
 def _accepted(accept: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
 from framework.speculative.model_drafter import ModelDrafter
-from kernels.rope_store import rope_at
+from tfs_kernels.rope_store import rope_at
 
 
 class EagleHead(nn.Module):

@@ -21,7 +21,7 @@ from framework.batch import SamplingBatch
 from framework.sampling import probs_from_logits, sample_from_probs, uniform_noise
 from framework.speculative.base import DraftTree
 from framework.speculative.tree import ancestor_mask, children_table
-from kernels.fill_bonus_tokens import fill_bonus_tokens
+from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens
 
 SALT_ACCEPT = 101  # uniform draws for the acceptance tests, one per node
 SALT_RESIDUAL = 211  # + depth: the bonus / residual draw at each depth below the root

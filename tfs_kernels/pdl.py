@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import INTERPRET  # the interpreter cannot run the wait's inline PTX
+from tfs_kernels.dispatch import INTERPRET  # the interpreter cannot run the wait's inline PTX
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

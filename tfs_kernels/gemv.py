@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv_tile import gemv_prologue, gemv_tile
-from kernels.pdl import HAS_GDC
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.gemv_tile import gemv_prologue, gemv_tile
+from tfs_kernels.pdl import HAS_GDC
 
 MAX_ROWS = 16  # the op serves up to this many rows of x; larger batches go to the GEMM library
 PREFETCH_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096)  # the L2 prefetch windows a PDL launch may take
@@ -88,7 +88,7 @@ def _gemv_kernel(
 PDL_PREFETCH_K: dict[str, int] = {**dict.fromkeys(CUDA_LAUNCH, 512), "very_wide": 1024}
 # launch classes whose PDL launches also load their first BLOCK_K weight columns into registers before the wait,
 # so that the weight streams while the kernel before finishes: qkv (after down), down (after gate_up) and o_proj,
-# which the split-K merge lets launch while the partial kernel runs (kernels/split_kv_merge.py
+# which the split-K merge lets launch while the partial kernel runs (tfs_kernels/split_kv_merge.py
 # MERGE_EARLY_TRIGGER). Not gate_up: its programs launch while o_proj streams and slowed it down (8B decode step:
 # docs/PERFORMANCE.md, 2026-12-01).
 PDL_PRELOAD: tuple[str, ...] = ("wide", "tall", "square")
@@ -191,7 +191,7 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor], 
 @torch.library.custom_op("tfs::gemv_pdl", mutates_args=())
 def gemv_pdl_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor],
                 norm_weight: Optional[torch.Tensor], eps: float, silu_mul: bool) -> torch.Tensor:
-    """``tfs::gemv`` with programmatic dependent launch (CUDA, kernels/pdl.py) after an L2 prefetch of the first
+    """``tfs::gemv`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py) after an L2 prefetch of the first
     ``PDL_PREFETCH_K`` weight columns (16-bit weights) and with ``PDL_PRELOAD``, by launch class: an opaque op, which
     inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
     return launch_gemv(x, w, residual, norm_weight, eps, silu_mul, pdl=True, prefetch_k=None, preload=None)

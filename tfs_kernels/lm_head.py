@@ -2,7 +2,7 @@
 
 The unfused tail of a decode step is three kernels after the last layer: the final norm of every row (and the pick
 of the logits' rows), the lm_head's product, and the conversion of the logits to float32. This kernel is
-``tfs::gemv``'s (:func:`kernels.gemv_tile.gemv_tile`) over every row of x (the logits of every token: what a uniform
+``tfs::gemv``'s (:func:`tfs_kernels.gemv_tile.gemv_tile`) over every row of x (the logits of every token: what a uniform
 batch asks for) with the RMSNorm fused in (for one row after the product, as ``LATE_NORM`` does everywhere),
 storing float32 logits rounded to the weight's dtype first, as ``.float()`` of the unfused product gives them;
 programs ``p < m`` also write row ``p`` of the hidden states, ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options, stream_hints
-from kernels.gemv_tile import gemv_prologue, gemv_tile
-from kernels.pdl import HAS_GDC
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options, stream_hints
+from tfs_kernels.gemv_tile import gemv_prologue, gemv_tile
+from tfs_kernels.pdl import HAS_GDC
 
 
 @triton.jit
@@ -119,7 +119,7 @@ register_cpu_reference(lm_head_op, lm_head_reference)
 @torch.library.custom_op("tfs::lm_head_pdl", mutates_args=())
 def lm_head_pdl_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tfs::lm_head`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which inductor
+    """``tfs::lm_head`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py): an opaque op, which inductor
     calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
     return launch_lm_head(x, norm_weight, eps, w, pdl=True)
 

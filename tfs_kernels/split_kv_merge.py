@@ -1,4 +1,4 @@
-"""Stage 2 of split-K attention (kernels/split_kv_attention.py): merge each (token, head)'s partial outputs, one
+"""Stage 2 of split-K attention (tfs_kernels/split_kv_attention.py): merge each (token, head)'s partial outputs, one
 per split of the request's keys, weighted by their log-sum-exps (base 2). The split count is
 :func:`num_kv_splits` of the request's length, as in stage 1; the partial buffers hold ``max_splits`` slots per
 (token, head), and the slots of splits a request did not use hold stale values that must not reach the output.
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait
+from tfs_kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def split_kv_merge_kernel(
     # 16-slot tile for requests of <= 16 splits 2.55: docs/PERFORMANCE.md, 8B decode step)
     in_buf = s < max_splits
     seq_len = tl.load(Seq_lens + token // Q_LEN)
-    if USE_PDL:  # launched early (kernels/pdl.py): the partials come from the kernel before
+    if USE_PDL:  # launched early (tfs_kernels/pdl.py): the partials come from the kernel before
         if EARLY_TRIGGER:  # the next kernel (o_proj) may launch before this one waits: see MERGE_EARLY_TRIGGER
             gdc_launch_dependents()
         gdc_wait()
@@ -69,9 +69,9 @@ def split_kv_merge_kernel(
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, GPU attention kernels)
 # PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
 # lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
-# weight chunk (kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
+# weight chunk (tfs_kernels/gemv.py PDL_PRELOAD), while the partial kernel runs: 8B decode step 3.87 ms instead of 3.95
 # (docs/PERFORMANCE.md, 8B decode step). Not measured at larger batches or for verify, hence off there. Sound
-# by kernels/pdl.py's rules: the next kernel then starts after every program of the partial kernel has started
+# by tfs_kernels/pdl.py's rules: the next kernel then starts after every program of the partial kernel has started
 # (so after the kernel before the partial completed), reads before its wait nothing the partial writes, and its
 # wait returns after the merge completes, which is after the partial completes.
 MERGE_EARLY_TRIGGER = True
@@ -82,7 +82,7 @@ def launch_split_kv_merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch
                           min_split_len: int, pdl: bool) -> None:
     """Merge ``mid_o`` ``[n, heads, max_splits, dim]`` (their log-sum-exps ``mid_lse`` ``[n, heads, max_splits]``)
     into ``out`` ``[n, heads, dim]`` (inside a triton_op body: the kernel goes through ``wrap_triton``); the split
-    policy arguments are stage 1's. ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
+    policy arguments are stage 1's. ``pdl``: programmatic dependent launch (tfs_kernels/pdl.py)."""
     n, heads, dim = out.shape
     wrap_triton(split_kv_merge_kernel)[(n, heads)](
         mid_o, mid_lse, out, seq_lens, programs_per_split, max_splits, target_programs, min_split_len,

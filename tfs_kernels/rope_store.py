@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _rope_store_kv_kernel(
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < HALF
-    if USE_PDL:  # launched early (kernels/pdl.py): qkv comes from the kernel before
+    if USE_PDL:  # launched early (tfs_kernels/pdl.py): qkv comes from the kernel before
         gdc_wait()
         gdc_launch_dependents()
     src = QKV + i * stride_qkv + h * HEAD_DIM + d
@@ -89,7 +89,7 @@ def check_inputs(qkv_shape: Sequence[int], qkv_inner_stride: int, cos: torch.Ten
 def launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
-    """Check and launch (``pdl``: with programmatic dependent launch, from the opaque op; kernels/pdl.py)."""
+    """Check and launch (``pdl``: with programmatic dependent launch, from the opaque op; tfs_kernels/pdl.py)."""
     check_inputs(qkv.shape, qkv.stride(-1), cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
                  head_dim)
     torch._check(not pdl or HAS_GDC, lambda: "tfs::rope_store_kv: pdl needs a Triton with grid dependency control")
@@ -147,7 +147,7 @@ register_cpu_reference(rope_store_kv_op, rope_store_kv_reference)
 def rope_store_kv_pdl_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """``tfs::rope_store_kv`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    """``tfs::rope_store_kv`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
     return launch_rope_store_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads,
                                 head_dim, pdl=True)
@@ -163,7 +163,7 @@ def _rope_store_kv_pdl_fake(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                   num_kv_heads: int, head_dim: int, pdl: bool = False) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
     elsewhere."""
     fn = torch.ops.tfs.rope_store_kv if use_triton(qkv) else rope_store_kv_reference
     if pdl and qkv.is_cuda:

@@ -2,7 +2,7 @@
 DRAFT_DECODE) with a per-request custom (tree) mask over the last ``mask_width`` keys and full attention to the
 keys before them; without a mask the new tokens attend causally among themselves.
 
-Same split-K kernel as decode (:mod:`kernels.split_kv_attention`): the ``q_len * group`` query rows of one KV head
+Same split-K kernel as decode (:mod:`tfs_kernels.split_kv_attention`): the ``q_len * group`` query rows of one KV head
 share every K/V tile, so verifying 8 tokens reads the cache once, like one decode step.
 """
 
@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.split_kv_attention import launch_split_kv_attention, split_kv_attention_reference
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.split_kv_attention import launch_split_kv_attention, split_kv_attention_reference
 
 
 @triton_op("tfs::verify_attention", mutates_args=())
@@ -50,7 +50,7 @@ def verify_attention_pdl_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             custom_mask: Optional[torch.Tensor], q_len: int, scale: float, max_splits: int,
                             target_programs: int, min_split_len: int,
                             mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``tfs::verify_attention`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    """``tfs::verify_attention`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launches keep their PDL attribute inside captured graphs."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, custom_mask,
                                      q_len, scale, max_splits, target_programs, min_split_len, pdl=True,
@@ -66,8 +66,8 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor],
                      q_len: int, scale: float, max_splits: int, target_programs: int,
                      min_split_len: int, pdl: bool = False, mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
-    elsewhere. ``mask_bits``: ``custom_mask`` packed by :func:`kernels.mask_bits.pack_mask_bits`, read by the
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    elsewhere. ``mask_bits``: ``custom_mask`` packed by :func:`tfs_kernels.mask_bits.pack_mask_bits`, read by the
     kernel in its place."""
     fn = torch.ops.tfs.verify_attention if use_triton(q) else verify_attention_reference
     if pdl and q.is_cuda:

@@ -1,5 +1,5 @@
 """Tree masks packed into bits: one int64 word per query row, which the split-K verify kernel
-(:mod:`kernels.split_kv_attention`) reads instead of a byte per (row, key). attention=triton packs the step's mask
+(:mod:`tfs_kernels.split_kv_attention`) reads instead of a byte per (row, key). attention=triton packs the step's mask
 once (``TritonBackend.init_metadata``) when it is at most :data:`MASK_WORD_BITS` keys wide."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ read through ``req_to_token``, causally or through a custom mask over the last `
 
 Stage 1 splits each request's keys across up to ``max_splits`` programs, so that one long request still fills the
 GPU; each program writes a partial output and its log-sum-exp. Stage 2 merges the partials
-(kernels/split_kv_merge.py). The number of splits is
+(tfs_kernels/split_kv_merge.py). The number of splits is
 decided on the device from the request's length and the batch size (never read back by the host), so one captured
 graph serves every length. The query heads of one KV head (``h = kv * group + g``) and all ``q_len`` tokens of a
 request are processed together as the rows of one tile: K/V are read once per KV head. Within a split, whole tiles
@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from kernels.mask_bits import MASK_WORD_BITS
-from kernels.online_softmax import dot, online_softmax_step
-from kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
-from kernels.split_kv_merge import launch_split_kv_merge, num_kv_splits
+from tfs_kernels.mask_bits import MASK_WORD_BITS
+from tfs_kernels.online_softmax import dot, online_softmax_step
+from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
+from tfs_kernels.split_kv_merge import launch_split_kv_merge, num_kv_splits
 
 LOG2E = 1.4426950408889634
 
@@ -125,7 +125,7 @@ def _split_kv_partial_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     slot_row = Req_to_token + tl.load(Req_pool_indices + b) * stride_req
-    if USE_PDL:  # launched early (kernels/pdl.py): q and the new keys come from the kernel before
+    if USE_PDL:  # launched early (tfs_kernels/pdl.py): q and the new keys come from the kernel before
         # meanwhile, pull the split's first tile of older keys (written by earlier steps) into L2, one pointer per
         # LINE elements of each K / V row
         j = start + tl.arange(0, BLOCK_N)
@@ -219,8 +219,8 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               mask_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch both stages (inside a triton_op body: kernels go through ``wrap_triton``). Returns ``[n, heads, dim]``
     in q's dtype. q ``[n = bs * q_len, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``. ``pdl``: both
-    with programmatic dependent launch (from an opaque op: kernels/pdl.py). ``mask_bits``: ``custom_mask`` packed
-    by :func:`kernels.mask_bits.pack_mask_bits` (widths up to 64), which the kernel then reads instead (the mask's
+    with programmatic dependent launch (from an opaque op: tfs_kernels/pdl.py). ``mask_bits``: ``custom_mask`` packed
+    by :func:`tfs_kernels.mask_bits.pack_mask_bits` (widths up to 64), which the kernel then reads instead (the mask's
     own bytes are not read: only its width)."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]

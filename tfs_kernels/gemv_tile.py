@@ -1,16 +1,16 @@
 """The building blocks of the few-row products that stream a weight once (``tfs::gemv``, ``tfs::qkv_rope_store``,
 ``tfs::lm_head``): a program's prologue (:func:`gemv_prologue`: the first weight chunk preloaded, an L2 prefetch and
 the PDL wait) and its ``[BLOCK_M, BLOCK_N]`` product over whole weight rows with RMSNorm or SiLU-mul applied to x
-(:func:`gemv_tile`). The ops, their launches and references: :mod:`kernels.gemv`, :mod:`kernels.qkv_rope_store`,
-:mod:`kernels.lm_head`."""
+(:func:`gemv_tile`). The ops, their launches and references: :mod:`tfs_kernels.gemv`, :mod:`tfs_kernels.qkv_rope_store`,
+:mod:`tfs_kernels.lm_head`."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import dot
-from kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
+from tfs_kernels.online_softmax import dot
+from tfs_kernels.pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def gemv_prologue(W, N, K, stride_wn, offs_n, USE_PDL: tl.constexpr, PREFETCH_K:
     chunk ``[BLOCK_N, BLOCK_K]`` (zeros without ``PRELOAD``) for :func:`gemv_tile`. A kernel loads what its
     epilogue needs from earlier kernels (a residual, RoPE's positions) between the two, so that the loads complete
     during the weight loop instead of adding a round trip after it. ``W_EF``: the weight loads at L2's
-    evict-first priority (:func:`kernels.gemv.stream_hints`)."""
+    evict-first priority (:func:`tfs_kernels.gemv.stream_hints`)."""
     tl.static_assert(not PRELOAD or USE_PDL, "PRELOAD: only before a PDL launch's wait")
     n_ok = offs_n < N
     offs_k0 = tl.arange(0, BLOCK_K)

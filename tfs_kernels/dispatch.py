@@ -4,7 +4,7 @@ NOTE: ``TRITON_INTERPRET=1`` is read once, when this module is imported, because
 decoration time whether a kernel is compiled or interpreted. Set it in the environment before the process starts
 (triton.language's own jitted helpers are decorated when triton is first imported, which torch._inductor does).
 
-Rules (every op in ``kernels/`` follows them):
+Rules (every op in ``tfs_kernels/`` follows them):
 - CUDA tensors: ``torch.ops.tfs.<op>`` (the Triton kernel; torch.compile traces through it, CUDA graphs capture it).
 - CPU tensors under ``TRITON_INTERPRET=1`` in eager code: ``torch.ops.tfs.<op>`` too, which runs the kernel in
   Triton's interpreter (the op has no "cpu" kernel in that mode, so the dispatcher falls through to its body).

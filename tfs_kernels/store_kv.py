@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
 
 
 @triton.jit
@@ -54,6 +54,6 @@ register_cpu_reference(store_kv_op, store_kv_reference)
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere."""
     fn = torch.ops.tfs.store_kv if use_triton(k) else store_kv_reference
     fn(k_cache, v_cache, slots, k, v)

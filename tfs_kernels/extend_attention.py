@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.online_softmax import dot, online_softmax_step
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.online_softmax import dot, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -135,6 +135,6 @@ register_cpu_reference(extend_attention_op, extend_attention_reference)
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, q_starts: torch.Tensor,
                      q_lens: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`), the reference elsewhere."""
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere."""
     fn = torch.ops.tfs.extend_attention if use_triton(q) else extend_attention_reference
     return fn(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, max_q_len, scale)

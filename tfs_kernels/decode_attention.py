@@ -1,6 +1,6 @@
 """``tfs::decode_attention``: paged decode attention (one new token per request) with split-K over the keys.
 
-The kernel is the split-K kernel of :mod:`kernels.split_kv_attention` with ``q_len = 1`` and the causal rule (the
+The kernel is the split-K kernel of :mod:`tfs_kernels.split_kv_attention` with ``q_len = 1`` and the causal rule (the
 token sees every key of its request); :func:`decode_attention_reference` is the plain-torch definition and the
 CPU implementation.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.split_kv_attention import launch_split_kv_attention, split_kv_attention_reference
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.split_kv_attention import launch_split_kv_attention, split_kv_attention_reference
 
 
 @triton_op("tfs::decode_attention", mutates_args=())
@@ -40,7 +40,7 @@ register_cpu_reference(decode_attention_op, decode_attention_reference)
 def decode_attention_pdl_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_splits: int,
                             target_programs: int, min_split_len: int) -> torch.Tensor:
-    """``tfs::decode_attention`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    """``tfs::decode_attention`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launches keep their PDL attribute inside captured graphs."""
     return launch_split_kv_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, None, 1, scale,
                                      max_splits, target_programs, min_split_len, pdl=True)
@@ -54,7 +54,7 @@ def _decode_attention_pdl_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_splits: int,
                      target_programs: int, min_split_len: int, pdl: bool = False) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`; ``pdl``: its PDL variant on CUDA), the reference
     elsewhere."""
     fn = torch.ops.tfs.decode_attention if use_triton(q) else decode_attention_reference
     if pdl and q.is_cuda:

@@ -2,7 +2,7 @@
 kernel for a decode-sized batch: ``tfs::gemv`` followed by ``tfs::rope_store_kv`` without the second launch.
 
 Each program computes ``BLOCK_N`` columns of the projection for all rows (the gemv's main loop,
-:func:`kernels.gemv_tile.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
+:func:`tfs_kernels.gemv_tile.gemv_tile`), chosen so that rotate-half RoPE needs nothing from other programs: ``BLOCK_N / 2``
 columns of one head's first half and their partners ``HALF`` columns later. The epilogue rounds the projection to
 the weight's dtype (as ``tfs::gemv`` stores it), rotates q and k heads in float32 at each row's position, and writes
 q to the returned tensor, k and v to their slots of the caches: the roundings of the two kernels (the compiler may
@@ -18,11 +18,11 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.dispatch import register_cpu_reference, use_triton
-from kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options, stream_hints
-from kernels.gemv_tile import gemv_prologue, gemv_tile
-from kernels.pdl import HAS_GDC
-from kernels.rope_store import check_inputs, rope_store_kv_reference
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options, stream_hints
+from tfs_kernels.gemv_tile import gemv_prologue, gemv_tile
+from tfs_kernels.pdl import HAS_GDC
+from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def qkv_rope_store_pdl_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
                           cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
                           head_dim: int) -> torch.Tensor:
-    """``tfs::qkv_rope_store`` with programmatic dependent launch (CUDA, kernels/pdl.py): an opaque op, which
+    """``tfs::qkv_rope_store`` with programmatic dependent launch (CUDA, tfs_kernels/pdl.py): an opaque op, which
     inductor calls as it is, so that the launch keeps its PDL attribute inside captured graphs."""
     return launch_qkv_rope_store(x, w, norm_weight, eps, cos, sin, positions, k_cache, v_cache, slots, num_heads,
                                  num_kv_heads, head_dim, pdl=True)
