@@ -9,11 +9,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from framework.attention import ATTENTION_BACKENDS
+from framework.attention import build_backend
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import Config, ConfigError
 from framework.detokenizer import IncrementalDetokenizer
-from framework.kv import KVAllocator, KVPool
+from framework.kv import KVAllocator
 from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
 from framework.request import Request, RequestOutput
@@ -88,10 +88,8 @@ class Engine:
                               f"{self.max_context + self.spec_width} tokens")
         self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
                                      self.max_context + self.spec_width, self.device)
-        self.pool = KVPool(args.num_layers, self.allocator.num_slots, args.num_kv_heads, args.head_dim, self.dtype,
-                           self.device)
-        self.backend = ATTENTION_BACKENDS.build(config.attention.name, self.pool, self.allocator, args.num_heads,
-                                                args.num_kv_heads, args.head_dim)
+        self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
+        self.backend = build_backend(config.attention.name, self.pool, self.allocator, args)
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from framework.attention import ATTENTION_BACKENDS
 from framework.attention.base import AttentionBackend
+from framework.attention.mla_dense import DenseMLA
 from framework.batch import ForwardBatch, ForwardMode
 
 
@@ -100,7 +101,7 @@ def build_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor, q_len: int, kv_widt
 
 
 @ATTENTION_BACKENDS.register("sdpa")
-class SdpaBackend(AttentionBackend):
+class SdpaBackend(DenseMLA, AttentionBackend):
     name = "sdpa"
 
     def init_metadata(self, batch: ForwardBatch) -> SdpaMetadata:

@@ -75,6 +75,16 @@ def validate(config: Config) -> None:
     _check("model.arch.head_dim", a.head_dim, a.head_dim >= 0, "0 (hidden_size // num_heads) or an integer > 0")
     _check("model.arch.max_position_embeddings", a.max_position_embeddings, a.max_position_embeddings >= 2,
            "an integer >= 2")
+    _choice("model.arch.family", a.family, ["llama", "deepseek_v32"])
+    if a.family == "deepseek_v32" and m.source == "random":
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "index_n_heads", "index_head_dim", "index_topk", "moe_intermediate_size", "n_routed_experts",
+                    "num_experts_per_tok"):
+            _check(f"model.arch.{key}", getattr(a, key), getattr(a, key) > 0, "an integer > 0 (family=deepseek_v32)")
+        _check("model.arch.qk_rope_head_dim", a.qk_rope_head_dim, a.qk_rope_head_dim % 2 == 0 and
+               a.qk_rope_head_dim <= a.index_head_dim, "even and at most index_head_dim")
+        _check("model.arch.n_group", a.n_group, a.n_group >= 1 and a.n_routed_experts % a.n_group == 0 and
+               1 <= a.topk_group <= a.n_group, "a divisor of n_routed_experts, with 1 <= topk_group <= n_group")
     _choice("attention.name", config.attention.name, ATTENTION_BACKENDS.names())
     kv = config.kv
     _check("kv.page_size", kv.page_size, kv.page_size >= 1, "an integer >= 1")

@@ -30,6 +30,24 @@ class ArchConfig:
     tie_word_embeddings: bool = True
     init_std: float = 1.0  # linear weights ~ N(0, (init_std / sqrt(fan_in))^2)
     logit_scale: float = 8.0  # LM head weights ~ N(0, (logit_scale / sqrt(hidden))^2): clear greedy margins
+    # llama | deepseek_v32 (MLA + DSA indexer + MoE + an MTP layer; the fields below are its own)
+    family: str = "llama"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 1
 
 
 @dataclass
@@ -47,6 +65,9 @@ class ModelConfig:
     # compiled (CUDA-graph) one-token forwards on CUDA run each layer's linears as tfs::gemv with the norms,
     # SiLU-mul and residual adds fused in (tfs_kernels/gemv.py); false: cuBLAS and separate elementwise kernels
     fused_decode: bool = True
+    # DSA models with an MTP layer: reuse the first MTP draft step's indexer top-k in the later steps of a draft
+    # forward; null: as the checkpoint's config.json declares it (GLM-5 does)
+    index_share_for_mtp_iteration: Optional[bool] = None
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 

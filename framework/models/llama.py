@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.kv.pool import KVPool
 from tfs_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tfs_kernels.gemv import gemv
 from tfs_kernels.lm_head import lm_head
@@ -183,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
         freqs = torch.outer(positions, rope_inv_freq(self.args)).to(self.rope_cos.device)
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()
+
+    def kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:
+        """The paged K/V pool this model's layers attend over."""
+        a = self.args
+        return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, dtype, device)
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:

@@ -1,7 +1,8 @@
 """Weights in: GGUF files (through the ``gguf`` package), Hugging Face safetensors directories, or seeded
-random weights. Every loader returns a :class:`LlamaForCausalLM` on the requested device and dtype, or raises
-:class:`WeightsError` (one line naming the file and the fault) for weights that are not what they claim to be: a
-file that is not GGUF, a truncated file, a checkpoint with missing, unexpected or mis-shaped tensors."""
+random weights. Every loader here returns a :class:`LlamaForCausalLM` (the DeepSeek-V3.2 family's are in
+dsa_loader.py) on the requested device and dtype, or raises :class:`WeightsError` (one line naming the file and
+the fault) for weights that are not what they claim to be: a file that is not GGUF, a truncated file, a checkpoint
+with missing, unexpected or mis-shaped tensors."""
 
 from __future__ import annotations
 
@@ -308,12 +309,22 @@ def _materialize(args: LlamaArgs, tensors: dict[str, torch.Tensor], dtype: torch
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Build the model that ``cfg`` describes."""
+    from framework.models import dsa_loader
+
     path = model_file(cfg)
     if cfg.source in ("gguf", "gguf_package"):
         model = load_gguf(path, dtype, device, _file_key(cfg))
     elif cfg.source == "hf":
-        model = load_hf(path, dtype, device)
+        hf_cfg = check_hf_dir(path, f"model.path={path!r}")
+        if hf_cfg.get("model_type") in dsa_loader.DSA_MODEL_TYPES:
+            model = dsa_loader.load_dsa_hf(path, hf_cfg, dtype, device)
+        else:
+            model = load_hf(path, dtype, device)
+    elif cfg.arch.family == "deepseek_v32":
+        model = dsa_loader.load_dsa_random(cfg, dtype, device)
     else:
         model = load_random(cfg, dtype, device)
-    model.fused_decode = cfg.fused_decode
+    if cfg.index_share_for_mtp_iteration is not None and hasattr(model.args, "index_share_for_mtp_iteration"):
+        model.args.index_share_for_mtp_iteration = cfg.index_share_for_mtp_iteration
+    model.fused_decode = cfg.fused_decode and isinstance(model, LlamaForCausalLM)
     return model

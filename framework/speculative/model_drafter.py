@@ -13,12 +13,13 @@ candidates form the tree (parents before children).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from framework.attention import ATTENTION_BACKENDS
+from framework.attention import build_backend
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import SpeculativeConfig
 from framework.kv import KVPool
@@ -51,9 +52,13 @@ class ModelDrafter(Drafter):
         """Run drafts on ``model`` with a KV pool of its own (``num_layers`` layers) that uses the target's slot
         indices, an attention backend of the configured kind over it, and the target's compile settings."""
         eng = self.engine
-        self.pool = KVPool(num_layers, eng.allocator.num_slots, num_kv_heads, head_dim, eng.dtype, eng.device)
-        backend = ATTENTION_BACKENDS.build(eng.config.attention.name, self.pool, eng.allocator, num_heads,
-                                           num_kv_heads, head_dim)
+        if hasattr(model, "kv_pool"):  # a model with a pool layout of its own (an MTP layer's MLA pool)
+            self.pool = model.kv_pool(eng.allocator.num_slots, eng.dtype, eng.device)
+        else:
+            self.pool = KVPool(num_layers, eng.allocator.num_slots, num_kv_heads, head_dim, eng.dtype, eng.device)
+        backend = build_backend(eng.config.attention.name, self.pool, eng.allocator, SimpleNamespace(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            model_type=getattr(model.args, "model_type", "llama")))
         self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device,
                                   eng.runner.skip_guards, eng.runner.pdl)
 
