@@ -112,7 +112,7 @@ class SamplingConfig:
 
 @dataclass
 class SpeculativeConfig:
-    name: str = "none"  # the drafter: none | ngram | layer_skip | draft_model | eagle
+    name: str = "none"  # the drafter: none | ngram | layer_skip | draft_model | eagle | mtp
     num_steps: int = 0  # draft depth
     topk: int = 1  # branching per step (1 = a chain)
     num_draft_tokens: int = 0  # tree budget including the root; 0: num_steps + 1 (chain) / 1 + topk * num_steps

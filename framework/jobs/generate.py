@@ -105,6 +105,10 @@ def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
         layers = getattr(engine.drafter, "layer_ids", None)
         if layers is not None:  # layer_skip: how many of the target's layers the resolved draft runs
             out["spec_params"]["draft_layers"] = len(layers)
+        calls = getattr(engine.drafter, "draft_indexer_calls", None)
+        if calls is not None:  # mtp: indexer top-k computations in draft forwards (fewer with index reuse)
+            out["draft_indexer_calls"] = calls
+            out["spec_params"]["index_reuse"] = engine.drafter.reuse_topk
     return out
 
 

@@ -45,6 +45,7 @@ class IndexReuse:
 
     buffer: torch.Tensor
     mode: Optional[str] = None
+    stored: bool = False  # the buffer holds this draft forward's selection
 
 
 class Indexer(nn.Module):

@@ -9,6 +9,7 @@ DRAFTERS: Registry = Registry("drafter", lazy={
     "layer_skip": "framework.speculative.layer_skip",
     "draft_model": "framework.speculative.draft_model",
     "eagle": "framework.speculative.eagle",
+    "mtp": "framework.speculative.mtp",
 })
 
 
