@@ -154,6 +154,9 @@ class Engine:
             raise RequestError("request has neither 'prompt' nor 'messages'")
         if not ids:
             raise RequestError("prompt is empty after tokenization")
+        if max(ids) >= self.model.args.vocab_size:  # a tokenizer larger than the model's vocabulary
+            raise RequestError(f"prompt token id {max(ids)} is outside the model's vocabulary of "
+                               f"{self.model.args.vocab_size} (model.tokenizer does not match the model)")
         if len(ids) >= self.max_context:
             raise RequestError(f"prompt has {len(ids)} tokens; the context window is {self.max_context} tokens "
                                f"(prompt + at least one generated token must fit)")

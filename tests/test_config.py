@@ -35,7 +35,7 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("model=nope", "model='nope' is not allowed; choose one of: llama3_8b_random, smollm2_135m, "),
+    ("model=nope", "model='nope' is not allowed; choose one of: dsa_small_random, dsa_tiny, llama3_8b_random, smollm2_135m, "),
     ("attention=nope", "attention='nope'"),
     ("sampling.temprature=1", "sampling.temprature: no such config key; keys of sampling:"),
     ("nokey=1", "nokey: no such config key"),

@@ -150,3 +150,66 @@ def test_bad_dsa_checkpoint_is_one_line(checkpoint, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightsError, match=r"missing 1 tensor, e.g. \['model.layers.2.self_attn.indexer.wk.weight'\]"):
         ours(str(tmp_path))
+
+
+def to_checkpoint_names(head_state: dict, layer: int, moe_inter: int) -> dict:
+    """An MtpLayer's tensors under DeepSeek's names for MTP layer ``layer`` (per-expert, gate / up apart)."""
+    p = f"model.layers.{layer}."
+    out = {}
+    for name, t in head_state.items():
+        if name.startswith("layer.mlp.experts_gate_up"):
+            for e in range(t.shape[0]):
+                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = t[e, :moe_inter]
+                out[f"{p}mlp.experts.{e}.up_proj.weight"] = t[e, moe_inter:]
+        elif name.startswith("layer.mlp.experts_down"):
+            for e in range(t.shape[0]):
+                out[f"{p}mlp.experts.{e}.down_proj.weight"] = t[e]
+        elif name == "layer.mlp.shared_experts.gate_up_proj.weight":
+            out[p + "mlp.shared_experts.gate_proj.weight"], out[p + "mlp.shared_experts.up_proj.weight"] = t.chunk(2)
+        else:
+            mapped = {"layer.mlp.gate_weight": "mlp.gate.weight", "layer.mlp.gate_bias": "mlp.gate.e_score_correction_bias",
+                      "shared_norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}
+            out[p + mapped.get(name, name.removeprefix("layer."))] = t
+    return out
+
+
+def test_mtp_layer_loads_from_the_original_layout(tmp_path):
+    """DeepSeek's layout: the MTP layer after the last decoder layer (enorm / hnorm / eh_proj / shared_head, its
+    own decoder layer, a copy of the embedding); speculative=mtp drafts with exactly those weights, losslessly."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = build_hf("deepseek_v32", seed=1)
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    first = ours(str(src), "speculative=mtp", "speculative.seed=5")
+    head = first.engine.drafter.head
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    state["head.weight"] = hf.lm_head.weight.detach().clone() * 0.5
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update(to_checkpoint_names(state, hf.config.num_hidden_layers, hf.config.moe_intermediate_size))
+    tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(dst / "model.safetensors"))
+    loaded = ours(str(dst), "speculative=mtp", "speculative.seed=9")  # the checkpoint's weights, not the seed's
+    got = loaded.engine.drafter.head.state_dict()
+    for name, t in state.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+    plain = ours(str(dst))
+    prompt = [{"prompt": "1+1=2,2+2=4,3+3=6,4+4=8", "max_tokens": 12}]  # token ids below the tiny vocabulary
+    assert loaded.generate(prompt)[0].token_ids == plain.generate(prompt)[0].token_ids
+    shutil.rmtree(src)
+
+
+def test_prompt_outside_the_vocabulary_is_one_line(checkpoint):
+    """A tokenizer larger than the model's vocabulary: that request fails with one line, the others run."""
+    _, path = checkpoint
+    outs = ours(path).generate([{"prompt": "xyzxyz", "max_tokens": 3}, {"prompt": "1+1=2", "max_tokens": 3}])
+    assert outs[0].finish_reason == "error" and "outside the model's vocabulary of 512" in outs[0].error
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 3
