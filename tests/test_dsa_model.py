@@ -123,6 +123,21 @@ def test_the_selection_drops_keys(checkpoint):
     torch.testing.assert_close(sparse[0], hf_logits(hf, ids)[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_yarn_rope_matches_transformers(tmp_path):
+    """A YaRN checkpoint: frequencies, attention factor and softmax scale as transformers computes them."""
+    from transformers import DeepseekV32ForCausalLM
+
+    cfg = tiny_config()
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                           "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7, "original_max_position_embeddings": 128}
+    hf = DeepseekV32ForCausalLM(cfg).eval()
+    hf.load_state_dict(build_hf("deepseek_v32").state_dict())
+    hf.save_pretrained(tmp_path)
+    llm = ours(str(tmp_path))
+    assert llm.engine.model.args.rope_inv_freq and llm.engine.model.args.rope_attention_factor != 1.0
+    check_against_hf(hf, llm)
+
+
 def test_checkpoint_tensors_land_unchanged(checkpoint):
     hf, path = checkpoint
     model = ours(path).engine.model

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from framework import LLM
 from framework.jobs.generate import metrics
@@ -136,7 +137,10 @@ def test_mtp_needs_an_mtp_model():
                                    ["speculative=mtp", "speculative.version=v2", REUSE]])
 def test_nsa_equals_sdpa(reference, extra):
     """Without the interpreter the nsa ops run their torch references; under it, their Triton kernels."""
+    from tfs_kernels.dispatch import use_triton
+
     count = 2 if INTERPRETED else len(PROMPTS)
+    assert use_triton(torch.empty(1)) == INTERPRETED  # interpreted: the nsa ops launch their Triton kernels
     # interpreted: a short table (the kernels read req_to_token at its whole width, one program per 64 positions)
     short = ["scheduler.max_context=128"] if INTERPRETED else []
     llm = LLM(BASE + ["attention=nsa", "kv.page_size=16", "scheduler.max_running_requests=4", *short, *extra])

@@ -47,7 +47,6 @@ class ArchConfig:
     topk_group: int = 1
     first_k_dense_replace: int = 1
     routed_scaling_factor: float = 1.0
-    num_nextn_predict_layers: int = 1
 
 
 @dataclass

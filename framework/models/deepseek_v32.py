@@ -53,7 +53,6 @@ class DsaArgs:
     tie_word_embeddings: bool = False
     indexer_types: list = field(default_factory=list)  # per layer "full" | "shared" (GLM-MoE-DSA); empty: all full
     indexer_interleaved_rope: bool = False  # GLM-MoE-DSA's indexer ropes interleaved pairs
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
     index_share_for_mtp_iteration: bool = False  # the checkpoint allows reusing the first MTP step's top-k
     model_type: str = "deepseek_v32"
 

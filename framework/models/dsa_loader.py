@@ -17,6 +17,15 @@ from framework.models.checks import WeightsError, _tensors, check_hf_dir, open_s
 from framework.models.deepseek_v32 import DsaArgs, DsaForCausalLM
 
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# DsaArgs fields that transformers' configs and model.arch spell the same way
+SAME_NAMED = ("hidden_size", "vocab_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+              "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings")
+
+
+def same_named(src: object) -> dict:
+    return {name: getattr(src, name) for name in SAME_NAMED}
 
 
 def hf_dsa_args(directory: str, cfg: dict, label: str) -> DsaArgs:
@@ -40,6 +49,8 @@ def hf_dsa_args(directory: str, cfg: dict, label: str) -> DsaArgs:
         inv_freq = freqs.float().tolist()
         scale = yarn_apply_mscale(rope, (hf.qk_nope_head_dim + hf.qk_rope_head_dim) ** -0.5)
     dense = [t == "dense" for t in (getattr(hf, "mlp_layer_types", None) or [])]
+    if not dense:  # (a config class without mlp_layer_types)
+        dense = [i < hf.first_k_dense_replace for i in range(hf.num_hidden_layers)]
     first_dense = dense.index(False) if False in dense else hf.num_hidden_layers
     if dense and any(dense[first_dense:]):
         raise WeightsError(f"{label}: mlp_layer_types must be dense layers then sparse ones, got {hf.mlp_layer_types}")
@@ -47,19 +58,12 @@ def hf_dsa_args(directory: str, cfg: dict, label: str) -> DsaArgs:
     if indexer_types and indexer_types[0] != "full":
         raise WeightsError(f"{label}: indexer_types[0] is {indexer_types[0]!r}; the first layer needs its own indexer")
     return DsaArgs(
-        hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
-        vocab_size=hf.vocab_size, intermediate_size=hf.intermediate_size,
-        moe_intermediate_size=hf.moe_intermediate_size, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
-        qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-        index_n_heads=hf.index_n_heads, index_head_dim=hf.index_head_dim, index_topk=hf.index_topk,
-        n_routed_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok, n_group=hf.n_group,
-        topk_group=hf.topk_group, n_shared_experts=hf.n_shared_experts,
-        routed_scaling_factor=float(hf.routed_scaling_factor), norm_topk_prob=bool(hf.norm_topk_prob),
-        first_k_dense_replace=first_dense, rope_theta=float(rope.get("rope_theta", 10000.0)), rope_inv_freq=inv_freq,
-        rope_attention_factor=float(factor), softmax_scale=float(scale), rms_norm_eps=float(hf.rms_norm_eps),
-        max_position_embeddings=hf.max_position_embeddings, tie_word_embeddings=bool(hf.tie_word_embeddings),
-        indexer_types=indexer_types, indexer_interleaved_rope=cfg.get("model_type") == "glm_moe_dsa",
-        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
+        **same_named(hf), num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+        n_shared_experts=hf.n_shared_experts, routed_scaling_factor=float(hf.routed_scaling_factor),
+        norm_topk_prob=bool(hf.norm_topk_prob), first_k_dense_replace=first_dense,
+        rope_theta=float(rope.get("rope_theta", 10000.0)), rope_inv_freq=inv_freq, rope_attention_factor=float(factor),
+        softmax_scale=float(scale), indexer_types=indexer_types,
+        indexer_interleaved_rope=cfg.get("model_type") == "glm_moe_dsa",
         index_share_for_mtp_iteration=bool(cfg.get("index_share_for_mtp_iteration", False)),
         model_type=cfg.get("model_type", "deepseek_v32"))
 
@@ -194,16 +198,9 @@ def mtp_tensors(ck: _Checkpoint, args: DsaArgs) -> Optional[dict[str, torch.Tens
 
 def random_dsa_args(cfg: ModelConfig) -> DsaArgs:
     a = cfg.arch
-    return DsaArgs(
-        hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads, vocab_size=a.vocab_size,
-        intermediate_size=a.intermediate_size, moe_intermediate_size=a.moe_intermediate_size,
-        q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
-        qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, index_n_heads=a.index_n_heads,
-        index_head_dim=a.index_head_dim, index_topk=a.index_topk, n_routed_experts=a.n_routed_experts,
-        num_experts_per_tok=a.num_experts_per_tok, n_group=a.n_group, topk_group=a.topk_group,
-        routed_scaling_factor=a.routed_scaling_factor, first_k_dense_replace=a.first_k_dense_replace,
-        rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps, max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings, num_nextn_predict_layers=a.num_nextn_predict_layers)
+    return DsaArgs(**same_named(a), num_layers=a.num_layers, num_heads=a.num_heads,
+                   routed_scaling_factor=a.routed_scaling_factor, first_k_dense_replace=a.first_k_dense_replace,
+                   rope_theta=a.rope_theta)
 
 
 def random_weights(module: torch.nn.Module, seed: int, init_std: float, logit_scale: float,
