@@ -40,8 +40,9 @@ def test_version_resolution_and_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         v2 = LLM(TINY + NGRAM + ["scheduler.overlap=on"])
         tree = LLM(TINY + NGRAM + ["speculative.topk=4", "speculative.num_draft_tokens=8", "speculative.version=v2"])
-        opt_in = LLM(TINY + DRAFTERS["eagle"])
+        opt_in = LLM(TINY + DRAFTERS["draft_model"])
     chains = [LLM(TINY + DRAFTERS[d] + ["speculative.version=v2"]) for d in ("layer_skip", "draft_model", "eagle")]
+    chains += [LLM(TINY + DRAFTERS[d]) for d in ("layer_skip", "eagle")]  # auto: v2 (run on a GPU too)
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
     assert tree.engine.spec_version == "v1" and opt_in.engine.spec_version == "v1"
     assert all(c.engine.spec_version == "v2" for c in chains)

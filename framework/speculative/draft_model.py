@@ -53,7 +53,8 @@ class DraftModelDrafter(ModelDrafter):
 
     @staticmethod
     def _load(mcfg: ModelConfig, engine, name: str) -> LlamaForCausalLM:
-        if tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
+        # NOTE: random weights carry no tokenizer of their own (they pair with any of the vocabulary's size)
+        if mcfg.source != "random" and tokenizer_path(mcfg) != tokenizer_path(engine.config.model):
             raise ConfigError(f"speculative.draft_model={name!r} is not allowed; its tokenizer differs "
                               f"from the target's ({tokenizer_path(mcfg)} vs {tokenizer_path(engine.config.model)})")
         # NOTE: checked before loading: a mismatched draft can be far larger than the target (an 8B-shaped one)

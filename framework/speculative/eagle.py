@@ -88,7 +88,7 @@ class EagleState:
 @DRAFTERS.register("eagle")
 class EagleDrafter(ModelDrafter):
     name = "eagle"
-    drafts_in_v2 = True
+    drafts_in_v2 = v2_by_default = True  # (its v2 iteration gives v1's tokens on a GPU: tests/test_spec_v2_gpu.py)
     extends_after_verify = True  # v2: DRAFT_EXTEND_V2 after every verification
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
@@ -154,7 +154,7 @@ class EagleDrafter(ModelDrafter):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.draft_batch(ctx, tokens, depth, col, mask)
         batch.hidden_in = parent_hidden.reshape(-1, parent_hidden.shape[-1])
-        return self.runner.forward(batch)
+        return self.runner.forward(batch, **self.forward_kwargs)
 
     def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
                   hidden: torch.Tensor, new_roots: list[int]) -> None:

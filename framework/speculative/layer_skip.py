@@ -36,6 +36,7 @@ def draft_layers(num_layers: int, exit_layer: int, skip_layers: list[int]) -> tu
 class LayerSkipDrafter(ModelDrafter):
     name = "layer_skip"
     drafts_in_v2 = True  # its draft K/V go to the target's pool at the iteration's slots: no catch-up needed
+    v2_by_default = True  # (its v2 iteration gives v1's tokens on a GPU: tests/test_spec_v2_gpu.py)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
