@@ -32,6 +32,9 @@ SPECS = {
     "ngram_chain": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1"],  # v2
     "ngram_chain_v1": ["speculative=ngram", "speculative.num_steps=2", "speculative.ngram_min=1",
                        "speculative.version=v1"],
+    # deterministic tree drafts from the other requests' outputs (the global suffix tree)
+    "suffix_tree": ["speculative=suffix", "speculative.num_steps=2", "speculative.topk=2",
+                    "speculative.num_draft_tokens=5", "speculative.min_token_prob=0"],
 }
 
 

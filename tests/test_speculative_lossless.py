@@ -17,6 +17,7 @@ DRAFTERS = {
     "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=1"],
     "draft_model": ["speculative=draft_model", "speculative.draft_model=tiny_llama", "speculative.num_steps=3"],
     "eagle": ["speculative=eagle", "speculative.num_steps=3"],
+    "suffix": ["speculative=suffix", "speculative.num_steps=4"],  # (a tree at its default topk)
 }
 
 
@@ -40,7 +41,8 @@ def test_greedy_equals_no_speculation(reference, drafter, topk, batch, page_size
     count = len(PROMPTS) if batch > 1 else 3  # batch 1 runs the requests one after another
     outs = llm.generate(items(count))
     assert [o.token_ids for o in outs] == reference[:count]
-    assert all(o.spec is not None and o.spec["num_verify_steps"] >= 1 for o in outs if drafter != "ngram")
+    assert all(o.spec is not None and o.spec["num_verify_steps"] >= 1 for o in outs
+               if drafter not in ("ngram", "suffix"))
     stats = llm.engine.spec_worker.stats
     assert stats.num_verify_steps > 0
     llm.engine.allocator.assert_all_free()

@@ -145,6 +145,12 @@ def validate_speculative(config: Config) -> None:
     _check("speculative.ngram_max", sp.ngram_max, sp.ngram_max >= 1, "an integer >= 1")
     _check("speculative.ngram_min", sp.ngram_min, 1 <= sp.ngram_min <= sp.ngram_max, "1 <= ngram_min <= ngram_max")
     _check("speculative.exit_layer", sp.exit_layer, sp.exit_layer >= 0, "0 (default) or a layer count >= 1")
+    if sp.name == "suffix":
+        _check("speculative.suffix_max_depth", sp.suffix_max_depth, sp.suffix_max_depth >= 2, "an integer >= 2")
+        _check("speculative.suffix_cache_tokens", sp.suffix_cache_tokens, sp.suffix_cache_tokens >= 0,
+               "an integer >= 0")
+        _check("speculative.max_spec_factor", sp.max_spec_factor, sp.max_spec_factor >= 0, "a number >= 0")
+        _check("speculative.min_token_prob", sp.min_token_prob, 0 <= sp.min_token_prob <= 1, "a number in [0, 1]")
     if sp.name == "draft_model":
         _check("speculative.draft_model", sp.draft_model, bool(sp.draft_model), "the name of a conf/model option")
         _choice("speculative.draft_model", sp.draft_model, sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))

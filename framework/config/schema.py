@@ -111,7 +111,7 @@ class SamplingConfig:
 
 @dataclass
 class SpeculativeConfig:
-    name: str = "none"  # the drafter: none | ngram | layer_skip | draft_model | eagle | mtp
+    name: str = "none"  # the drafter: none | ngram | suffix | layer_skip | draft_model | eagle | mtp
     num_steps: int = 0  # draft depth
     topk: int = 1  # branching per step (1 = a chain)
     num_draft_tokens: int = 0  # tree budget including the root; 0: num_steps + 1 (chain) / 1 + topk * num_steps
@@ -122,8 +122,13 @@ class SpeculativeConfig:
     draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer
     checkpoint: Optional[str] = None  # eagle: a safetensors file with the head's weights (random when unset)
     seed: int = 0  # eagle: seed of a random-initialised head
+    suffix_max_depth: int = 24  # suffix: longest string the suffix trees count (match + continuation)
+    suffix_cache_tokens: int = 16384  # suffix: tokens of finished requests in the global tree (0: none)
+    max_spec_factor: float = 2.0  # suffix: draft at most max_spec_factor * match length + max_spec_offset tokens
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # suffix: keep draft nodes whose estimated path probability is at least this
     # auto | v1 | v2: v2 keeps draft, verify and acceptance on the device, overlapped with the host, for chains
-    # (auto: v2 for ngram, else v1 with a log line saying why)
+    # (auto: v2 where the drafter runs in v2 and has run there on a GPU, else v1 with a log line saying why)
     version: str = "auto"
 
 

@@ -6,6 +6,7 @@ from framework.registry import Registry
 
 DRAFTERS: Registry = Registry("drafter", lazy={
     "ngram": "framework.speculative.ngram",
+    "suffix": "framework.speculative.suffix",
     "layer_skip": "framework.speculative.layer_skip",
     "draft_model": "framework.speculative.draft_model",
     "eagle": "framework.speculative.eagle",

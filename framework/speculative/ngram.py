@@ -16,6 +16,7 @@ from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, Drafter, SpecContext
+from framework.speculative.tree import host_tree
 
 
 class NgramIndex:
@@ -123,14 +124,4 @@ class NgramDrafter(Drafter):
             rows.append(trie_nodes(conts, n - 1, k))
         if not any(rows):
             return None  # nothing to verify: the worker runs a plain decode step
-        tokens = [[0] * n for _ in rows]
-        parents = [[-1] + [0] * (n - 1) for _ in rows]
-        depths = [[0] + [1] * (n - 1) for _ in rows]
-        valid = [[True] + [False] * (n - 1) for _ in rows]
-        for b, nodes in enumerate(rows):
-            for i, (token, parent, depth) in enumerate(nodes, start=1):
-                tokens[b][i], parents[b][i], depths[b][i], valid[b][i] = token, parent, depth, True
-        packed = torch.tensor([tokens, parents, depths, valid], dtype=torch.int64).to(self.device)
-        tokens_t = packed[0].clone()
-        tokens_t[:, 0] = ctx.roots
-        return DraftTree(tokens=tokens_t, parents=packed[1], depths=packed[2], valid=packed[3].bool())
+        return host_tree(rows, n, ctx.roots)

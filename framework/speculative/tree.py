@@ -15,6 +15,22 @@ def chain_tree(tokens: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Ten
                      valid=valid, draft_probs=draft_probs)
 
 
+def host_tree(rows: list[list[tuple[int, int, int]]], n: int, roots: torch.Tensor) -> DraftTree:
+    """Trees drafted on the host: ``rows[b]`` request b's nodes (token, parent index, depth) after the root,
+    parents first, at most ``n - 1``; padded to ``n`` nodes with invalid ones; ``roots`` ``[bs]`` on the device."""
+    tokens = [[0] * n for _ in rows]
+    parents = [[-1] + [0] * (n - 1) for _ in rows]
+    depths = [[0] + [1] * (n - 1) for _ in rows]
+    valid = [[True] + [False] * (n - 1) for _ in rows]
+    for b, nodes in enumerate(rows):
+        for i, (token, parent, depth) in enumerate(nodes, start=1):
+            tokens[b][i], parents[b][i], depths[b][i], valid[b][i] = token, parent, depth, True
+    packed = torch.tensor([tokens, parents, depths, valid], dtype=torch.int64).to(roots.device)
+    tokens_t = packed[0].clone()
+    tokens_t[:, 0] = roots
+    return DraftTree(tokens=tokens_t, parents=packed[1], depths=packed[2], valid=packed[3].bool())
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """``[bs, n, n]`` bool: node i may attend node j iff j is i or one of its ancestors (parents[:, i] < i).
 

@@ -84,7 +84,7 @@ class SpecWorker:
         """Run one iteration for the step's requests (all prefilled); returns those that finished."""
         reqs = step.reqs
         eng, sched, alloc = self.engine, self.engine.scheduler, self.engine.allocator
-        cfg, n, bs = self.cfg, self.cfg.num_draft_tokens, len(reqs)
+        cfg, bs = self.cfg, len(reqs)
         t0 = time.perf_counter()
         kv_lens = [r.kv_len for r in reqs]
         rows = [r.row for r in reqs]
@@ -103,6 +103,7 @@ class SpecWorker:
                 req.spec_accepted_tokens += 1
             self._record([1] * bs, time.perf_counter() - t0, 0.0)
             return eng.plain_step(step)
+        n = tree.num_nodes  # at most num_draft_tokens (a drafter may draft a narrower tree)
         t1 = time.perf_counter()
 
         batch = ForwardBatch(

@@ -1,0 +1,72 @@
+"""Train-free drafters against each other on this CPU: the real SmolLM2-135M (fp32), greedy, the prompts of
+bench/prompts/grounded.jsonl (or another JSONL of chat prompts), at one batch size. Every drafter serves the
+prompts twice in one engine: the first pass is the plain workload, the second the repeated-task one (the same
+requests issued again: what suffix decoding's global tree is for). Each pass's output is asserted token-identical
+to plain decoding.
+
+    .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix -- speculative.num_steps=6
+
+Printed per drafter and pass: tokens/s (generated tokens over the pass's wall time; engine start-up and a
+warm-up request excluded), mean accepted tokens per verify step, and the ratio to ngram's acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from framework import LLM  # noqa: E402
+
+PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
+SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"]}
+
+
+def run_pass(llm: LLM, items: list[dict]) -> tuple[list[list[int]], float, float]:
+    start = time.perf_counter()
+    outs = llm.generate(items)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = sum(o.spec["num_verify_steps"] for o in outs if o.spec)
+    emitted = sum(o.spec["mean_accept_len"] * o.spec["num_verify_steps"] for o in outs if o.spec)
+    return [o.token_ids for o in outs], tokens / wall, (emitted / steps if steps else 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "suffix"], choices=sorted(SPECS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", default=PROMPTS)
+    ap.add_argument("--compile", default="reduce_overhead")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides for the speculative engines (after --)")
+    args = ap.parse_args()
+    items = [dict(json.loads(line), max_tokens=args.max_tokens) for line in open(args.prompts) if line.strip()]
+    for item in items:
+        item.pop("id", None)
+    base = ["model=smollm2_135m", f"compile={args.compile}", f"scheduler.max_running_requests={args.batch}"]
+    reference, rows = None, []
+    for name in ["none"] + [d for d in args.drafters if d != "none"]:
+        llm = LLM(base + SPECS[name] + (args.extra if name != "none" else []))
+        llm.generate([{"prompt": "Warm up.", "max_tokens": 8}])
+        for label in ("first", "repeat"):
+            ids, tok_s, accept = run_pass(llm, items)
+            reference = reference or ids
+            assert ids == reference, f"{name} ({label} pass) differs from plain decoding"
+            rows.append({"drafter": name, "pass": label, "tok_s": round(tok_s, 1), "accept": round(accept, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    ngram = {r["pass"]: r["accept"] for r in rows if r["drafter"] == "ngram"}
+    print(f"\nbatch {args.batch}, {len(items)} prompts x {args.max_tokens} tokens at most")
+    print(f"{'drafter':>8} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
+    for r in rows:
+        vs = f"{r['accept'] / ngram[r['pass']]:.2f}x" if r["pass"] in ngram and r["drafter"] != "none" else ""
+        print(f"{r['drafter']:>8} {r['pass']:>7} {r['tok_s']:>8} {r['accept']:>7} {vs:>9}")
+
+
+if __name__ == "__main__":
+    main()

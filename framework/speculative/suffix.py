@@ -1,0 +1,216 @@
+"""``speculative=suffix``: train-free suffix decoding (SuffixDecoding, Oliaro et al. 2024; vLLM's ``suffix``).
+
+Two suffix trees of bounded depth (``suffix_max_depth``) count how often every string of up to that many tokens
+occurred: one per request over its prompt and output, and one global tree over the prompts and outputs of
+finished requests (at most ``suffix_cache_tokens`` tokens; the oldest request is evicted first). To draft, each
+suffix of the request's tokens that occurred before (with a continuation) grows a draft tree from its node best
+first by the empirical probability of each path (a child's count over its siblings' total, multiplied along
+the path), keeping nodes of probability at least ``min_token_prob``, at most ``topk`` children a node and
+``num_steps`` deep. The draft size follows the match: at most ``max_spec_factor * match_length +
+max_spec_offset`` tokens (and ``num_draft_tokens - 1``). Every matched suffix length of both trees drafts, and
+the draft with the largest expected number of accepted tokens (the sum of its path probabilities) wins. No model
+forward; runs in the v1 iteration (v2 needs drafts made on the device).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Optional
+
+import torch
+
+from framework.config import SpeculativeConfig
+from framework.request import Request
+from framework.speculative import DRAFTERS
+from framework.speculative.base import DraftTree, Drafter, SpecContext
+from framework.speculative.tree import host_tree
+
+
+class Node:
+    """A string's occurrence count and the nodes of its one-token extensions."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: Optional[dict[int, "Node"]] = None
+
+    def child(self, token: int) -> "Node":
+        if self.children is None:
+            self.children = {}
+        node = self.children.get(token)
+        if node is None:
+            node = self.children[token] = Node()
+        return node
+
+
+class SuffixTree:
+    """Every substring of the sequences added, up to ``max_depth`` tokens, with its number of occurrences."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = Node()
+
+    def add(self, tokens: list[int], active: Optional[list[Node]] = None, sign: int = 1) -> list[Node]:
+        """Count ``tokens`` as the continuation of a sequence whose suffix nodes are ``active`` (shortest first;
+        None: a new sequence); ``sign=-1`` removes a sequence added before. Returns the new suffix nodes."""
+        active = [] if active is None else active
+        for token in tokens:
+            grown = []
+            for depth, node in enumerate([self.root] + active):  # the suffixes of lengths 0 .. len(active)
+                nxt = node.child(token) if sign > 0 else node.children[token]
+                nxt.count += sign
+                if nxt.count == 0:  # no occurrence left: nor of its extensions, which go with it
+                    del node.children[token]
+                    continue
+                if depth + 1 < self.max_depth:
+                    grown.append(nxt)
+            active = grown
+        return active
+
+    def matches(self, context: list[int]) -> list[tuple[Node, int]]:
+        """(node, length) of every suffix of ``context`` that occurred with a continuation, longest first."""
+        found = []
+        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+            node = self.root
+            for token in context[len(context) - length:]:
+                node = node.children.get(token) if node.children else None
+                if node is None:
+                    break
+            if node is not None and node.children:
+                found.append((node, length))
+        return found
+
+    def match(self, context: list[int]) -> tuple[Optional[Node], int]:
+        """The node of the longest suffix of ``context`` that occurred with a continuation, and its length."""
+        found = self.matches(context)
+        return found[0] if found else (None, 0)
+
+    def num_nodes(self) -> int:
+        """Nodes below the root (a walk: for tests and memory checks)."""
+        stack, count = [self.root], 0
+        while stack:
+            node = stack.pop()
+            children = list(node.children.values()) if node.children else []
+            count += len(children)
+            stack += children
+        return count
+
+
+def grow_draft(node: Node, budget: int, max_depth: int, max_children: int,
+               min_prob: float) -> tuple[list[tuple[int, int, int]], float]:
+    """Best-first draft from ``node``: up to ``budget`` (token, parent index, depth) nodes, parents first (index 0
+    is the root), and the sum of their path probabilities (the expected number of accepted tokens)."""
+    heap: list[tuple[float, int, int, int, int, Node]] = []  # (-prob, tie, token, parent index, depth, node)
+    tie = 0
+
+    def push(parent_node: Node, parent_index: int, depth: int, prob: float) -> None:
+        nonlocal tie
+        if depth > max_depth or not parent_node.children:
+            return
+        total = sum(c.count for c in parent_node.children.values())
+        ranked = sorted(parent_node.children.items(), key=lambda kv: -kv[1].count)[:max_children]
+        for token, child in ranked:
+            p = prob * child.count / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, tie, token, parent_index, depth, child))
+                tie += 1
+
+    nodes: list[tuple[int, int, int]] = []
+    score = 0.0
+    push(node, 0, 1, 1.0)
+    while heap and len(nodes) < budget:
+        neg, _, token, parent, depth, child = heapq.heappop(heap)
+        nodes.append((token, parent, depth))
+        score -= neg
+        push(child, len(nodes), depth + 1, -neg)
+    return nodes, score
+
+
+class SuffixState:
+    """A request's suffix tree and how many of its tokens it holds."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.tree = SuffixTree(max_depth)
+        self.active: list[Node] = []
+        self.num_tokens = 0
+
+    def sync(self, req: Request) -> list[int]:
+        """Add the request's tokens appended since the last call; returns its last ``max_depth`` tokens."""
+        total = len(req.prompt_ids) + len(req.output_ids)
+        if total > self.num_tokens:
+            self.active = self.tree.add(req.token_slice(self.num_tokens, total), self.active)
+            self.num_tokens = total
+        return req.token_slice(max(0, total - self.tree.max_depth), total)
+
+
+@DRAFTERS.register("suffix")
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, engine, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+        self.max_children = cfg.topk
+        self.device = engine.device
+        self.global_tree = SuffixTree(cfg.suffix_max_depth)
+        self._cached: deque[list[int]] = deque()  # sequences in the global tree, oldest first
+        self._cached_tokens = 0
+        self._live: list[Request] = []  # requests with a state, until they finish and join the global tree
+
+    # ---- the global tree ------------------------------------------------------------------------------
+    def remember(self, tokens: list[int]) -> None:
+        """Add a finished request's tokens to the global tree, evicting the oldest sequences past the budget."""
+        tokens = tokens[-self.cfg.suffix_cache_tokens:] if self.cfg.suffix_cache_tokens > 0 else []
+        if not tokens:
+            return
+        self.global_tree.add(tokens)
+        self._cached.append(tokens)
+        self._cached_tokens += len(tokens)
+        while self._cached_tokens > self.cfg.suffix_cache_tokens:
+            old = self._cached.popleft()
+            self.global_tree.add(old, sign=-1)
+            self._cached_tokens -= len(old)
+
+    def _retire_finished(self) -> None:
+        live = []
+        for req in self._live:
+            if req.finished:
+                if req.finish_reason != "error":
+                    self.remember(req.prompt_ids + req.output_ids)
+                req.drafter_state = None
+            else:
+                live.append(req)
+        self._live = live
+
+    # ---- drafting -------------------------------------------------------------------------------------
+    def _state(self, req: Request) -> SuffixState:
+        if not isinstance(req.drafter_state, SuffixState):
+            req.drafter_state = SuffixState(self.cfg.suffix_max_depth)
+            self._live.append(req)
+        return req.drafter_state
+
+    def draft(self, req: Request) -> list[tuple[int, int, int]]:
+        """The request's draft nodes (token, parent index, depth), parents first; may be empty."""
+        cfg = self.cfg
+        tail = self._state(req).sync(req)
+        best: tuple[list, float] = ([], 0.0)
+        # NOTE: every match length competes: a long match leaves the depth-bounded tree little room to continue
+        for tree in (req.drafter_state.tree, self.global_tree):
+            for node, length in tree.matches(tail):
+                budget = min(cfg.num_draft_tokens - 1, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
+                if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
+                    continue
+                nodes, score = grow_draft(node, budget, cfg.num_steps, cfg.topk, cfg.min_token_prob)
+                if score > best[1]:
+                    best = (nodes, score)
+        return best[0]
+
+    def propose(self, ctx: SpecContext) -> DraftTree | None:
+        self._retire_finished()
+        rows = [self.draft(req) for req in ctx.reqs]
+        if not any(rows):
+            return None  # nothing to verify: the worker runs a plain decode step
+        # the verify width: the largest draft (and the root), rounded up to a power of two to bound graph shapes
+        n = min(self.cfg.num_draft_tokens, 1 << max(len(r) for r in rows).bit_length())
+        return host_tree(rows, n, ctx.roots)

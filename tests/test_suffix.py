@@ -1,0 +1,155 @@
+"""``speculative=suffix``: the suffix trees count every substring exactly (also after evictions), drafts follow the
+counts, the match length and the knobs, finished requests feed the global tree (bounded), and output is
+token-identical to plain decoding (the lossless matrix in test_speculative_lossless.py covers it too)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from framework import LLM
+from framework.errors import ConfigError
+from framework.speculative.suffix import SuffixDrafter, SuffixTree, grow_draft
+from tests.conftest import TINY
+
+SUFFIX = ["speculative=suffix", "speculative.num_steps=4"]
+
+
+def substring_counts(seqs: list[list[int]], depth: int) -> Counter:
+    counts: Counter = Counter()
+    for seq in seqs:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(len(seq), i + depth) + 1):
+                counts[tuple(seq[i:j])] += 1
+    return counts
+
+
+def tree_counts(tree: SuffixTree) -> Counter:
+    counts: Counter = Counter()
+    stack = [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in (node.children or {}).items():
+            counts[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tree_counts_every_substring_and_removal_is_exact(seed):
+    rng = random.Random(seed)
+    depth = rng.randint(2, 7)
+    seqs = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    tree = SuffixTree(depth)
+    active = None
+    for part in (seqs[0][:10], seqs[0][10:]):  # incremental: one sequence in two calls
+        active = tree.add(part, active)
+    for seq in seqs[1:]:
+        tree.add(seq)
+    assert tree_counts(tree) == substring_counts(seqs, depth)
+    tree.add(seqs[1], sign=-1)
+    tree.add(seqs[3], sign=-1)
+    assert tree_counts(tree) == substring_counts([seqs[0], seqs[2]], depth)
+    tree.add(seqs[0], sign=-1)
+    tree.add(seqs[2], sign=-1)
+    assert tree.num_nodes() == 0
+
+
+def test_match_is_the_longest_suffix_with_a_continuation():
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 9, 2, 3, 5, 2, 3])
+    node, length = tree.match([7, 1, 2, 3])
+    assert length == 3 and set(node.children) == {4}  # "1 2 3" occurred once, followed by 4
+    node, length = tree.match([8, 2, 3])
+    assert length == 2 and {t: c.count for t, c in node.children.items()} == {4: 1, 5: 1}
+    assert tree.match([6]) == (None, 0)
+
+
+def test_draft_follows_the_counts_the_threshold_and_the_limits():
+    tree = SuffixTree(10)
+    # after "7 0": 1 twice (then 2 2), 3 once
+    tree.add([0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 3])
+    node, _ = tree.match([7, 0])
+    nodes, score = grow_draft(node, budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    assert nodes[0] == (1, 0, 1)  # the most probable child first (2 of 3)
+    assert all(parent < i for i, (_, parent, _) in enumerate(nodes, start=1))  # parents first
+    assert max(d for _, _, d in nodes) <= 3 and len(nodes) <= 8
+    assert score == pytest.approx(3 * 2 / 3 + 1 / 3)  # 1, 1 2, 1 2 2; 3
+    nodes, _ = grow_draft(node, budget=8, max_depth=3, max_children=2, min_prob=0.5)
+    assert [t for t, _, _ in nodes] == [1, 2, 2]  # 3 (1/3) is dropped
+    nodes, _ = grow_draft(node, budget=2, max_depth=3, max_children=1, min_prob=0.0)
+    assert nodes == [(1, 0, 1), (2, 1, 2)]
+
+
+def drafter(**cfg) -> SuffixDrafter:
+    base = dict(topk=2, num_steps=6, num_draft_tokens=12, suffix_max_depth=12, suffix_cache_tokens=64,
+                max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1)
+    return SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**{**base, **cfg}))
+
+
+def request(prompt: list[int], output: list[int] = (), reason=None) -> SimpleNamespace:
+    from framework.request import Request
+    from framework.sampling import SamplingParams
+
+    req = Request(rid=0, prompt_ids=list(prompt), params=SamplingParams(), seed=0, max_new_tokens=99)
+    req.output_ids = list(output)
+    req.finish_reason = reason
+    return req
+
+
+def test_draft_size_follows_the_match_length():
+    d = drafter(max_spec_factor=1.0)
+    seq = list(range(20)) + [50] + list(range(20))  # the second copy repeats the first
+    assert len(d.draft(request(seq[:22]))) == 1  # "0" matched: 1 token
+    assert len(d.draft(request(seq[:26]))) == 5  # "0 1 2 3 4" matched: 5 tokens
+    assert len(drafter(max_spec_factor=0.5).draft(request(seq[:26]))) == 2
+    assert len(drafter(max_spec_factor=0.0, max_spec_offset=3).draft(request(seq[:26]))) == 3
+    assert drafter(max_spec_factor=0.0).draft(request(seq[:26])) == []
+
+
+def test_finished_requests_feed_the_bounded_global_tree():
+    d = drafter(suffix_cache_tokens=64)
+    done = request([5, 6, 7], [8, 9, 10, 11, 12], reason="stop")
+    d.draft(done)
+    d._retire_finished()
+    assert d._cached_tokens == 8 and done.drafter_state is None
+    fresh = request([1, 5, 6, 7])  # a new request whose prompt ends like the finished one's
+    assert [t for t, _, _ in d.draft(fresh)] == [8, 9, 10]  # from the global tree (3 tokens matched)
+    for i in range(20):  # more finished requests than the cache holds: the oldest go first
+        d.remember([100 + i] * 7)
+        assert d._cached_tokens <= 64
+    assert d._cached[0] != [5, 6, 7, 8, 9, 10, 11, 12] and d.global_tree.match([5, 6, 7]) == (None, 0)
+    assert sum(map(len, d._cached)) == d._cached_tokens
+    errored = request([1, 2], [3], reason="error")
+    d.draft(errored)
+    d._retire_finished()
+    assert [3] not in d._cached
+
+
+def test_repeated_requests_accept_more_and_stay_lossless(caplog):
+    prompts = [{"prompt": p, "max_tokens": 24} for p in ["The quick brown fox", "def f(x):\n    return",
+                                                          "Once upon a time"]]
+    plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=4"]).generate(prompts)]
+    with caplog.at_level(logging.INFO, logger="framework.engine"):
+        llm = LLM(TINY + SUFFIX + ["scheduler.max_running_requests=4", "speculative.version=v2"])
+    assert llm.engine.spec_version == "v1"  # v2 cannot run a host drafter: one log line says why
+    assert sum("speculative.version=v2: running v1" in r.getMessage() for r in caplog.records) == 1
+    first = llm.generate(prompts)
+    second = llm.generate(prompts)
+    assert [o.token_ids for o in first] == plain == [o.token_ids for o in second]
+    accept = [sum(o.spec["mean_accept_len"] for o in outs) / len(outs) for outs in (first, second)]
+    assert accept[1] > 1.5 * accept[0]  # the same requests again: drafted from the global tree
+    llm.engine.allocator.assert_all_free()
+
+
+@pytest.mark.parametrize("override,allowed", [("speculative.min_token_prob=1.5", "a number in [0, 1]"),
+                                              ("speculative.suffix_max_depth=1", "an integer >= 2"),
+                                              ("speculative.max_spec_factor=-1", "a number >= 0")])
+def test_bad_knobs_fail_in_one_line(override, allowed):
+    with pytest.raises(ConfigError) as err:
+        LLM(TINY + SUFFIX + [override])
+    assert allowed in str(err.value) and "\n" not in str(err.value)
