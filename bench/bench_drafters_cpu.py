@@ -5,10 +5,11 @@ requests issued again: what suffix decoding's global tree is for). Each pass's o
 to plain decoding.
 
     .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
-    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix -- speculative.num_steps=6
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram ngram_adaptive suffix_adaptive
 
 Printed per drafter and pass: tokens/s (generated tokens over the pass's wall time; engine start-up and a
-warm-up request excluded), mean accepted tokens per verify step, and the ratio to ngram's acceptance.
+warm-up request excluded), mean accepted tokens per verify step, and the ratio to ngram's acceptance. ``*_adaptive``
+= the same drafter with ``speculative.adaptive=true`` (its chosen depths are printed).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from framework import LLM  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
-SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"]}
+SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"],
+         "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
+         "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"]}
 
 
 def run_pass(llm: LLM, items: list[dict]) -> tuple[list[list[int]], float, float]:
@@ -59,13 +62,16 @@ def main() -> None:
             reference = reference or ids
             assert ids == reference, f"{name} ({label} pass) differs from plain decoding"
             rows.append({"drafter": name, "pass": label, "tok_s": round(tok_s, 1), "accept": round(accept, 3)})
+            worker = llm.engine.spec_worker
+            if getattr(worker, "adaptive", None) is not None:
+                rows[-1]["depths"] = worker.stats.summary()["chosen_draft_lengths"]
             print(json.dumps(rows[-1]), flush=True)
     ngram = {r["pass"]: r["accept"] for r in rows if r["drafter"] == "ngram"}
     print(f"\nbatch {args.batch}, {len(items)} prompts x {args.max_tokens} tokens at most")
-    print(f"{'drafter':>8} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
+    print(f"{'drafter':>15} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
     for r in rows:
         vs = f"{r['accept'] / ngram[r['pass']]:.2f}x" if r["pass"] in ngram and r["drafter"] != "none" else ""
-        print(f"{r['drafter']:>8} {r['pass']:>7} {r['tok_s']:>8} {r['accept']:>7} {vs:>9}")
+        print(f"{r['drafter']:>15} {r['pass']:>7} {r['tok_s']:>8} {r['accept']:>7} {vs:>9}")
 
 
 if __name__ == "__main__":

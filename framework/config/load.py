@@ -145,6 +145,8 @@ def validate_speculative(config: Config) -> None:
     _check("speculative.ngram_max", sp.ngram_max, sp.ngram_max >= 1, "an integer >= 1")
     _check("speculative.ngram_min", sp.ngram_min, 1 <= sp.ngram_min <= sp.ngram_max, "1 <= ngram_min <= ngram_max")
     _check("speculative.exit_layer", sp.exit_layer, sp.exit_layer >= 0, "0 (default) or a layer count >= 1")
+    _check("speculative.adaptive", sp.adaptive, not sp.adaptive or sp.name in ("ngram", "suffix"),
+           f"false with speculative={sp.name} (adaptive draft lengths: ngram, suffix)")
     if sp.name == "suffix":
         _check("speculative.suffix_max_depth", sp.suffix_max_depth, sp.suffix_max_depth >= 2, "an integer >= 2")
         _check("speculative.suffix_cache_tokens", sp.suffix_cache_tokens, sp.suffix_cache_tokens >= 0,

@@ -122,6 +122,9 @@ class SpeculativeConfig:
     draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer
     checkpoint: Optional[str] = None  # eagle: a safetensors file with the head's weights (random when unset)
     seed: int = 0  # eagle: seed of a random-initialised head
+    # the draft depth of each iteration (0: a plain decode step) chosen per batch from the measured acceptance and
+    # the measured cost of each depth at that batch size (ngram, suffix; the v1 iteration)
+    adaptive: bool = False
     suffix_max_depth: int = 24  # suffix: longest string the suffix trees count (match + continuation)
     suffix_cache_tokens: int = 16384  # suffix: tokens of finished requests in the global tree (0: none)
     max_spec_factor: float = 2.0  # suffix: draft at most max_spec_factor * match length + max_spec_offset tokens

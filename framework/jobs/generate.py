@@ -101,7 +101,7 @@ def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
         out.update(engine.spec_worker.stats.summary())
         sp = engine.config.speculative
         out["spec_params"] = {"num_steps": sp.num_steps, "topk": sp.topk, "num_draft_tokens": sp.num_draft_tokens,
-                              "version": engine.spec_version}
+                              "version": engine.spec_version, "adaptive": sp.adaptive}
         layers = getattr(engine.drafter, "layer_ids", None)
         if layers is not None:  # layer_skip: how many of the target's layers the resolved draft runs
             out["spec_params"]["draft_layers"] = len(layers)

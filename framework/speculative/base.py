@@ -49,6 +49,7 @@ class SpecContext:
     kv_lens_t: torch.Tensor  # [bs] int64 L on the device
     rows_t: torch.Tensor  # [bs] int64 req_to_token rows on the device
     sampling: Any  # SamplingBatch for the requests
+    max_depth: Optional[int] = None  # speculative.adaptive: draft at most this deep (None: num_steps)
 
 
 class Drafter:
@@ -68,6 +69,11 @@ class Drafter:
     def scratch_width(cls, cfg: "SpeculativeConfig") -> int:
         """KV row positions (from L on) the drafter's own forwards write while drafting: none without a model."""
         return 0
+
+    @classmethod
+    def verify_widths(cls, cfg: "SpeculativeConfig") -> list[int]:
+        """The TARGET_VERIFY widths (tree nodes per request) the drafter's trees take: compiled ahead of serving."""
+        return [cfg.num_draft_tokens]
 
     def on_prefill(self, batch: "ForwardBatch", step: "ScheduledStep", hidden: torch.Tensor,
                    roots: list[Optional[int]]) -> None:

@@ -116,8 +116,19 @@ class NgramDrafter(Drafter):
         req.drafter_state.sync(req.prompt_ids + req.output_ids)
         return req.drafter_state
 
+    @staticmethod
+    def width(cfg: SpeculativeConfig, depth: int) -> int:
+        """Tree nodes per request when drafting ``depth`` deep (speculative.adaptive: below num_steps)."""
+        return cfg.num_draft_tokens if depth >= cfg.num_steps else min(cfg.num_draft_tokens, 1 + depth * cfg.topk)
+
+    @classmethod
+    def verify_widths(cls, cfg: SpeculativeConfig) -> list[int]:
+        depths = range(1, cfg.num_steps + 1) if cfg.adaptive else [cfg.num_steps]
+        return sorted({cls.width(cfg, d) for d in depths})
+
     def propose(self, ctx: SpecContext) -> DraftTree | None:
-        n, steps, k = self.cfg.num_draft_tokens, self.cfg.num_steps, self.cfg.topk
+        steps, k = min(self.cfg.num_steps, ctx.max_depth or self.cfg.num_steps), self.cfg.topk
+        n = self.width(self.cfg, steps)
         rows = []
         for req in ctx.reqs:
             conts = self._index(req).continuations(steps, max_matches=1 if k == 1 else 4 * k)

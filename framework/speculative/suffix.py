@@ -190,25 +190,33 @@ class SuffixDrafter(Drafter):
             self._live.append(req)
         return req.drafter_state
 
-    def draft(self, req: Request) -> list[tuple[int, int, int]]:
-        """The request's draft nodes (token, parent index, depth), parents first; may be empty."""
+    @classmethod
+    def verify_widths(cls, cfg: SpeculativeConfig) -> list[int]:
+        """Powers of two below num_draft_tokens, and it: :meth:`propose` rounds the batch's widest draft up."""
+        return sorted({min(cfg.num_draft_tokens, 1 << b) for b in range(1, cfg.num_draft_tokens.bit_length() + 1)})
+
+    def draft(self, req: Request, max_depth: Optional[int] = None) -> list[tuple[int, int, int]]:
+        """The request's draft nodes (token, parent index, depth), parents first; may be empty. ``max_depth``:
+        at most this deep (and ``topk`` times as many nodes), below ``num_steps``."""
         cfg = self.cfg
+        depth = min(cfg.num_steps, max_depth or cfg.num_steps)
+        most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
         tail = self._state(req).sync(req)
         best: tuple[list, float] = ([], 0.0)
         # NOTE: every match length competes: a long match leaves the depth-bounded tree little room to continue
         for tree in (req.drafter_state.tree, self.global_tree):
             for node, length in tree.matches(tail):
-                budget = min(cfg.num_draft_tokens - 1, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
+                budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
                 if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
                     continue
-                nodes, score = grow_draft(node, budget, cfg.num_steps, cfg.topk, cfg.min_token_prob)
+                nodes, score = grow_draft(node, budget, depth, cfg.topk, cfg.min_token_prob)
                 if score > best[1]:
                     best = (nodes, score)
         return best[0]
 
     def propose(self, ctx: SpecContext) -> DraftTree | None:
         self._retire_finished()
-        rows = [self.draft(req) for req in ctx.reqs]
+        rows = [self.draft(req, ctx.max_depth) for req in ctx.reqs]
         if not any(rows):
             return None  # nothing to verify: the worker runs a plain decode step
         # the verify width: the largest draft (and the root), rounded up to a power of two to bound graph shapes

@@ -17,6 +17,8 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
     """Why v2 cannot run this configuration, or None when it can."""
     from framework.speculative import DRAFTERS
 
+    if cfg.adaptive:
+        return "speculative.adaptive=true chooses draft lengths in the v1 iteration"
     if cfg.topk > 1:
         return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
     if not getattr(DRAFTERS.get(cfg.name), "drafts_in_v2", False):

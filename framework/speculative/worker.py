@@ -22,6 +22,7 @@ from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.scheduler import ScheduledStep
 from framework.speculative import DRAFTERS
+from framework.speculative.adaptive import DraftLengthController
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.tree import ancestor_mask
 from framework.speculative.verify import verify
@@ -36,6 +37,7 @@ class SpecStats:
     verify_s: float = 0.0
     extend_s: float = 0.0  # v2: the head drafter's DRAFT_EXTEND_V2
     num_iterations: int = 0  # v2: iterations whose GPU time (draft_s + verify_s + extend_s, CUDA events) is counted
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # speculative.adaptive: depth -> iterations
 
     def add(self, lens: list[int], draft_s: float = 0.0, verify_s: float = 0.0, extend_s: float = 0.0) -> None:
         """Count verify steps emitting ``lens[i]`` tokens each, and time spent drafting / verifying / extending."""
@@ -56,7 +58,9 @@ class SpecStats:
                 "draft_time_share": round(self.draft_s / total, 4) if total else 0.0,
                 "verify_time_share": round(self.verify_s / total, 4) if total else 0.0,
                 **({"extend_time_share": round(self.extend_s / total, 4)} if self.extend_s else {}),
-                **({"gpu_ms_per_iteration": round(1e3 * total / self.num_iterations, 4)} if self.num_iterations else {})}
+                **({"gpu_ms_per_iteration": round(1e3 * total / self.num_iterations, 4)} if self.num_iterations else {}),
+                **({"chosen_draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())}}
+                   if self.draft_lengths else {})}
 
 
 def spec_kv_width(cfg: SpeculativeConfig) -> int:
@@ -75,6 +79,7 @@ class SpecWorker:
         self.cfg = cfg
         self.width = spec_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
+        self.adaptive = DraftLengthController(cfg.num_steps) if cfg.adaptive else None
 
     def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
                          sampled: torch.Tensor) -> None:
@@ -93,16 +98,19 @@ class SpecWorker:
         packed = torch.tensor([[r.output_ids[-1] for r in reqs], kv_lens, rows], dtype=torch.int64).to(dev)
         roots, kv_lens_t, rows_t = packed[0], packed[1], packed[2]
         sampling = sched.sampling_batch(reqs)
+        depth = self.adaptive.choose(bs) if self.adaptive else cfg.num_steps
         ctx = SpecContext(reqs=reqs, kv_lens=kv_lens, slots=slots, roots=roots, kv_lens_t=kv_lens_t, rows_t=rows_t,
-                          sampling=sampling)
-        tree = self.drafter.propose(ctx)
+                          sampling=sampling, max_depth=depth)
+        tree = self.drafter.propose(ctx) if depth > 0 else None
         if tree is None:  # nothing drafted for any request: a plain decode step (its slots were assigned above)
             for req, L in zip(reqs, kv_lens):
                 alloc.truncate(req.row, L + 1)
                 req.spec_verify_steps += 1  # an iteration that emits one token
                 req.spec_accepted_tokens += 1
             self._record([1] * bs, time.perf_counter() - t0, 0.0)
-            return eng.plain_step(step)
+            finished = eng.plain_step(step)
+            self._adapt(bs, depth, [1] * bs, t0)
+            return finished
         n = tree.num_nodes  # at most num_draft_tokens (a drafter may draft a narrower tree)
         t1 = time.perf_counter()
 
@@ -136,7 +144,14 @@ class SpecWorker:
             else:
                 alloc.truncate(req.row, req.kv_len + 1)  # keep the next root's slot; rejected pages go back
         self._record(lens, t1 - t0 + time.perf_counter() - t2, t2 - t1)
+        self._adapt(bs, depth, lens, t0)
         return finished
+
+    def _adapt(self, bs: int, depth: int, lens: list[int], t0: float) -> None:
+        """speculative.adaptive: what an iteration drafted ``depth`` deep gave, for the next choices."""
+        if self.adaptive is not None:
+            self.adaptive.record(bs, depth, lens, time.perf_counter() - t0)
+            self.stats.draft_lengths[depth] = self.stats.draft_lengths.get(depth, 0) + 1
 
     def _compact(self, reqs: list[Request], kv_lens: list[int], paths: list[list[int]]) -> None:
         """Copy each accepted node's K/V from its tree position to the path's contiguous position."""

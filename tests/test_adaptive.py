@@ -1,0 +1,75 @@
+"""``speculative.adaptive=true``: the goodput model picks the depth with the most tokens per second from measured
+acceptance and cost, explores what it has not measured, follows a changing workload, and the engine's output stays
+token-identical to plain decoding with the chosen depths reported."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from framework import LLM
+from framework.errors import ConfigError
+from framework.speculative.adaptive import DraftLengthController
+from tests.conftest import TINY
+from tests.test_speculative_lossless import items
+
+
+def feed(ctl: DraftLengthController, bs: int, accept_depth: int, cost, rounds: int) -> list[int]:
+    """Run ``rounds`` iterations where every request accepts ``accept_depth`` drafts (capped by the chosen k) and
+    an iteration at depth k costs ``cost(k)`` seconds; returns the depths chosen."""
+    chosen = []
+    for _ in range(rounds):
+        k = ctl.choose(bs)
+        ctl.record(bs, k, [1 + min(k, accept_depth)] * bs, cost(k))
+        chosen.append(k)
+    return chosen
+
+
+def test_picks_the_depth_with_the_most_tokens_per_second():
+    ctl = DraftLengthController(max_depth=4, explore_every=0)
+    chosen = feed(ctl, 8, accept_depth=2, cost=lambda k: 1.0 + 0.1 * k, rounds=30)
+    assert sorted(chosen[:5]) == [0, 1, 2, 3, 4]  # every depth measured once first
+    assert set(chosen[5:]) == {2}  # 3 tokens for 1.2 s beats 2 tokens / 1.1 s and 3 tokens / 1.3 s
+    assert ctl.expected_tokens(4) == pytest.approx(3.0)
+
+
+def test_plain_decoding_when_drafts_do_not_pay():
+    ctl = DraftLengthController(max_depth=4, explore_every=0)
+    chosen = feed(ctl, 32, accept_depth=0, cost=lambda k: 1.0 + 0.5 * k, rounds=20)
+    assert set(chosen[5:]) == {0}
+
+
+def test_costs_are_per_batch_size_and_exploration_follows_a_changing_workload():
+    ctl = DraftLengthController(max_depth=3, explore_every=4, decay=0.9)
+    feed(ctl, 1, accept_depth=3, cost=lambda k: 1.0, rounds=40)  # batch 1: drafts are free and all accepted
+    assert ctl.choose(1) == 3 or ctl.iterations % 4 == 1
+    assert ctl.cost.keys() >= {(1, k) for k in range(4)} and not any(bs == 8 for bs, _ in ctl.cost)
+    late = feed(ctl, 1, accept_depth=0, cost=lambda k: 1.0 + k, rounds=80)  # then nothing is accepted any more
+    assert late[-3:].count(0) >= 2  # back to plain steps (one in four explores)
+    assert ctl.expected_tokens(3) < 2.0  # (it was 4: the old observations decay)
+
+
+@pytest.mark.parametrize("drafter", [["speculative=ngram", "speculative.num_steps=4"],
+                                     ["speculative=suffix", "speculative.num_steps=4"]])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_adaptive_output_equals_plain_and_reports_depths(drafter, batch):
+    count = 8 if batch > 1 else 3
+    plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=8"]).generate(items(count))]
+    llm = LLM(TINY + drafter + ["speculative.adaptive=true", f"scheduler.max_running_requests={batch}"])
+    assert llm.engine.spec_version == "v1"
+    assert [o.token_ids for o in llm.generate(items(count))] == plain
+    summary = llm.engine.spec_worker.stats.summary()
+    depths = summary["chosen_draft_lengths"]
+    assert set(depths) <= {str(k) for k in range(5)} and len(depths) >= 2  # measured several depths
+    llm.engine.allocator.assert_all_free()
+
+
+def test_adaptive_with_a_model_drafter_fails_in_one_line_and_v2_falls_back(caplog):
+    with pytest.raises(ConfigError) as err:
+        LLM(TINY + ["speculative=eagle", "speculative.num_steps=2", "speculative.adaptive=true"])
+    assert "speculative.adaptive" in str(err.value) and "ngram, suffix" in str(err.value)
+    with caplog.at_level(logging.INFO, logger="framework.engine"):
+        llm = LLM(TINY + ["speculative=ngram", "speculative.adaptive=true", "speculative.version=v2"])
+    assert llm.engine.spec_version == "v1"
+    assert any("adaptive" in r.getMessage() and "running v1" in r.getMessage() for r in caplog.records)
