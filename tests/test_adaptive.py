@@ -45,6 +45,7 @@ def test_costs_are_per_batch_size_and_exploration_follows_a_changing_workload():
     feed(ctl, 1, accept_depth=3, cost=lambda k: 1.0, rounds=40)  # batch 1: drafts are free and all accepted
     assert ctl.choose(1) == 3 or ctl.iterations % 4 == 1
     assert ctl.cost.keys() >= {(1, k) for k in range(4)} and not any(bs == 8 for bs, _ in ctl.cost)
+    assert ctl.estimated_cost(8, 2) == ctl.cost[(1, 2)]  # an unmeasured batch size: the nearest measured one's
     late = feed(ctl, 1, accept_depth=0, cost=lambda k: 1.0 + k, rounds=80)  # then nothing is accepted any more
     assert late[-3:].count(0) >= 2  # back to plain steps (one in four explores)
     assert ctl.expected_tokens(3) < 2.0  # (it was 4: the old observations decay)

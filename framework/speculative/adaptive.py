@@ -4,9 +4,10 @@ For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step)
 emits are ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of requests that accepted at least
 ``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft count as misses); the cost
 ``T(bs, k)`` is the measured wall time of such iterations (an exponential average per batch size and depth). The
-controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. Depths not yet measured at a
-batch size are tried once each, and every ``explore_every``-th iteration tries the depths in turn, so acceptance
-at the deeper positions and the cost of every depth stay current as the workload changes (both decay).
+controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. A batch size not measured at a
+depth takes the nearest measured batch size's cost; depths never measured are tried once each, and every
+``explore_every``-th iteration tries the depths in turn, so acceptance at the deeper positions and the cost of
+every depth stay current as the workload changes (both decay).
 """
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ class DraftLengthController:
         if self.explore_every > 0 and self.iterations % self.explore_every == 1:
             turn = (self.iterations // self.explore_every) % (self.max_depth + 1)
             return self.max_depth - turn  # max_depth first: it measures the acceptance of every depth
+        costs = [self.estimated_cost(bs, k) for k in range(self.max_depth + 1)]
         for k in range(self.max_depth, -1, -1):
-            if (bs, k) not in self.cost:
+            if costs[k] is None:
                 return k
-        return max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / self.cost[(bs, k)])
+        return max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / costs[k])
+
+    def estimated_cost(self, bs: int, k: int) -> float | None:
+        """T(bs, k): measured at this batch size, else at the nearest one measured (None: never measured)."""
+        if (bs, k) in self.cost:
+            return self.cost[(bs, k)]
+        near = [b for b, d in self.cost if d == k]
+        return self.cost[(min(near, key=lambda b: abs(b - bs)), k)] if near else None
 
     def record(self, bs: int, k: int, emitted: list[int], seconds: float) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``."""
