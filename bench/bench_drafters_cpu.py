@@ -6,6 +6,7 @@ to plain decoding.
 
     .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
     .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram ngram_adaptive suffix_adaptive
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 32 --copies 4 --prompts bench/prompts/open.jsonl
 
 Printed per drafter and pass: tokens/s (generated tokens over the pass's wall time; engine start-up and a
 warm-up request excluded), mean accepted tokens per verify step, and the ratio to ngram's acceptance. ``*_adaptive``
@@ -26,6 +27,7 @@ from framework import LLM  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"],
+         "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"]}
 
@@ -46,12 +48,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", default=PROMPTS)
+    ap.add_argument("--copies", type=int, default=1, help="each prompt this many times per pass (batches > 8)")
     ap.add_argument("--compile", default="reduce_overhead")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for the speculative engines (after --)")
     args = ap.parse_args()
     items = [dict(json.loads(line), max_tokens=args.max_tokens) for line in open(args.prompts) if line.strip()]
     for item in items:
         item.pop("id", None)
+    items = [dict(it) for it in items for _ in range(args.copies)]
     base = ["model=smollm2_135m", f"compile={args.compile}", f"scheduler.max_running_requests={args.batch}"]
     reference, rows = None, []
     for name in ["none"] + [d for d in args.drafters if d != "none"]:
@@ -67,7 +71,7 @@ def main() -> None:
                 rows[-1]["depths"] = worker.stats.summary()["chosen_draft_lengths"]
             print(json.dumps(rows[-1]), flush=True)
     ngram = {r["pass"]: r["accept"] for r in rows if r["drafter"] == "ngram"}
-    print(f"\nbatch {args.batch}, {len(items)} prompts x {args.max_tokens} tokens at most")
+    print(f"\nbatch {args.batch}, {len(items)} requests x {args.max_tokens} tokens at most, {args.prompts}")
     print(f"{'drafter':>15} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
     for r in rows:
         vs = f"{r['accept'] / ngram[r['pass']]:.2f}x" if r["pass"] in ngram and r["drafter"] != "none" else ""
