@@ -112,7 +112,7 @@ class Engine:
         self.runner.warmup(ForwardMode.DECODE, 1)
         self.runner.warmup_extend([[5], [40], [3, 4], [20, 30]])
         if self.spec_version == "v1":
-            for width in type(self.drafter).verify_widths(spec):
+            for width in self.drafter.verify_widths(spec):
                 self.runner.warmup(ForwardMode.TARGET_VERIFY, width)
             self.drafter.warmup()
         elif self.spec_version == "v2":

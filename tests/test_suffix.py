@@ -13,6 +13,8 @@ import pytest
 
 from framework import LLM
 from framework.errors import ConfigError
+from framework.request import Request
+from framework.sampling import SamplingParams
 from framework.speculative.suffix import SuffixDrafter, SuffixTree, grow_draft
 from tests.conftest import TINY
 
@@ -62,18 +64,20 @@ def test_tree_counts_every_substring_and_removal_is_exact(seed):
 def test_match_is_the_longest_suffix_with_a_continuation():
     tree = SuffixTree(8)
     tree.add([1, 2, 3, 4, 9, 2, 3, 5, 2, 3])
-    node, length = tree.match([7, 1, 2, 3])
+    node, length = tree.matches([7, 1, 2, 3])[0]
     assert length == 3 and set(node.children) == {4}  # "1 2 3" occurred once, followed by 4
-    node, length = tree.match([8, 2, 3])
+    found = tree.matches([8, 2, 3])
+    assert [length for _, length in found] == [2, 1]  # every matched length, longest first
+    node, length = found[0]
     assert length == 2 and {t: c.count for t, c in node.children.items()} == {4: 1, 5: 1}
-    assert tree.match([6]) == (None, 0)
+    assert tree.matches([6]) == []
 
 
 def test_draft_follows_the_counts_the_threshold_and_the_limits():
     tree = SuffixTree(10)
     # after "7 0": 1 twice (then 2 2), 3 once
     tree.add([0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 3])
-    node, _ = tree.match([7, 0])
+    node, _ = tree.matches([7, 0])[0]
     nodes, score = grow_draft(node, budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert nodes[0] == (1, 0, 1)  # the most probable child first (2 of 3)
     assert all(parent < i for i, (_, parent, _) in enumerate(nodes, start=1))  # parents first
@@ -91,10 +95,7 @@ def drafter(**cfg) -> SuffixDrafter:
     return SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**{**base, **cfg}))
 
 
-def request(prompt: list[int], output: list[int] = (), reason=None) -> SimpleNamespace:
-    from framework.request import Request
-    from framework.sampling import SamplingParams
-
+def request(prompt: list[int], output: list[int] = (), reason=None) -> Request:
     req = Request(rid=0, prompt_ids=list(prompt), params=SamplingParams(), seed=0, max_new_tokens=99)
     req.output_ids = list(output)
     req.finish_reason = reason
@@ -122,12 +123,13 @@ def test_finished_requests_feed_the_bounded_global_tree():
     for i in range(20):  # more finished requests than the cache holds: the oldest go first
         d.remember([100 + i] * 7)
         assert d._cached_tokens <= 64
-    assert d._cached[0] != [5, 6, 7, 8, 9, 10, 11, 12] and d.global_tree.match([5, 6, 7]) == (None, 0)
+    assert d._cached[0] != [5, 6, 7, 8, 9, 10, 11, 12] and d.global_tree.matches([5, 6, 7]) == []
     assert sum(map(len, d._cached)) == d._cached_tokens
     errored = request([1, 2], [3], reason="error")
     d.draft(errored)
+    cached = list(d._cached)
     d._retire_finished()
-    assert [3] not in d._cached
+    assert list(d._cached) == cached and errored.drafter_state is None  # a failed request's tokens are not kept
 
 
 def test_repeated_requests_accept_more_and_stay_lossless(caplog):

@@ -104,7 +104,6 @@ class NgramDrafter(Drafter):
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
         self.max_children = cfg.topk
-        self.device = engine.device
 
     def propose_device(self, history: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chain drafts ``[bs, num_steps]`` and their validity from the requests' token histories (v2)."""

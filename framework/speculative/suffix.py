@@ -18,8 +18,6 @@ import heapq
 from collections import deque
 from typing import Optional
 
-import torch
-
 from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.speculative import DRAFTERS
@@ -81,11 +79,6 @@ class SuffixTree:
             if node is not None and node.children:
                 found.append((node, length))
         return found
-
-    def match(self, context: list[int]) -> tuple[Optional[Node], int]:
-        """The node of the longest suffix of ``context`` that occurred with a continuation, and its length."""
-        found = self.matches(context)
-        return found[0] if found else (None, 0)
 
     def num_nodes(self) -> int:
         """Nodes below the root (a walk: for tests and memory checks)."""
@@ -152,7 +145,6 @@ class SuffixDrafter(Drafter):
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
         self.max_children = cfg.topk
-        self.device = engine.device
         self.global_tree = SuffixTree(cfg.suffix_max_depth)
         self._cached: deque[list[int]] = deque()  # sequences in the global tree, oldest first
         self._cached_tokens = 0
