@@ -62,6 +62,12 @@ class ForwardBatch:
     # all visible); None: causal among this forward's tokens. Tree masks for TARGET_VERIFY / DRAFT_* modes.
     custom_mask: Optional[torch.Tensor] = None
     hidden_in: Optional[torch.Tensor] = None  # [num_tokens, hidden]: per-token input states (EAGLE heads)
+    # the slots of this forward's tokens are in the allocator's host mirror only: the forward writes out_cache_loc
+    # into req_to_token at (req_pool_indices, positions) before attending (staged decode batches, one token each)
+    write_slots: bool = False
+    # EXTEND run from a CUDA graph (padded): the new tokens per request the graph is captured for, an upper bound of
+    # extend_lens_cpu that attention metadata uses instead of their maximum; 0: not padded
+    extend_width: int = 0
     sampling: Optional[SamplingBatch] = None
     spec: Any = None  # drafter / verifier state
     attn: Any = None  # attention-backend metadata, filled by AttentionBackend.init_metadata

@@ -97,7 +97,8 @@ class Engine:
         compile_extend = compiled and self.device.type == "cuda" and config.compile.prefill and \
             self.backend.compiles_extend
         self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
-                                  self.device, config.compile.skip_guards, pdl, compile_extend)
+                                  self.device, config.compile.skip_guards, pdl, compile_extend,
+                                  config.compile.prefill_graph_tokens if compile_extend else 0)
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.new_detokenizer, self.device,
@@ -111,6 +112,7 @@ class Engine:
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
         self.runner.warmup_extend([[5], [40], [3, 4], [20, 30]])
+        self.runner.warmup_extend_graphs(sc.max_running_requests)
         if self.spec_version == "v1":
             for width in self.drafter.verify_widths(spec):
                 self.runner.warmup(ForwardMode.TARGET_VERIFY, width)

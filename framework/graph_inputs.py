@@ -1,5 +1,6 @@
-"""The integer inputs of a compiled forward: padding with dummy requests, and on CUDA the static buffers that the
-captured graphs read (:class:`StaticInputs`), which the scheduler can write straight from the host."""
+"""The inputs of a compiled forward: padding with dummy requests (uniform modes to a captured batch size, prefill
+steps to a power-of-two shape), and on CUDA the static buffers that the captured graphs read
+(:class:`StaticInputs`), which the scheduler can write straight from the host."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from framework.batch import ForwardBatch
+from framework.batch import ForwardBatch, ForwardMode
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
+from framework.transfer import upload
 
 ALIGN = 2  # int64 elements: every buffer of a StaticInputs starts on 16 bytes, as inductor assumes of its inputs
 
@@ -110,3 +112,49 @@ class StaticInputs:
         """True when ``batch`` is the one :meth:`stage` wrote last (no fill since): its inputs are in place."""
         return (self.staged == (batch.bs, dummy_len)
                 and all(t.data_ptr() == buf.data_ptr() for t, buf in zip(int_inputs(batch), self.buffers)))
+
+
+def dummy_extend_batch(lens: list[int], device: torch.device) -> ForwardBatch:
+    """An EXTEND batch of dummy requests (the reserved row and KV slot) with ``lens`` new tokens each, for warm-ups."""
+    n = sum(lens)
+    zeros = torch.zeros(n, dtype=torch.int64, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    return ForwardBatch(mode=ForwardMode.EXTEND, input_ids=zeros,
+                        positions=torch.cat([torch.arange(k, device=device) for k in lens]),
+                        out_cache_loc=torch.full_like(zeros, DUMMY_SLOT),
+                        req_pool_indices=torch.full((len(lens),), DUMMY_ROW, dtype=torch.int64, device=device),
+                        seq_lens=lens_t, seq_lens_cpu=list(lens), extend_lens_cpu=list(lens),
+                        logits_index=lens_t.cumsum(0) - 1)
+
+
+def extend_graph_shape(num_tokens: int, num_reqs: int, max_tokens: int) -> Optional[tuple[int, int]]:
+    """(padded requests, padded tokens) of the CUDA graph a prefill step of ``num_tokens`` new tokens from
+    ``num_reqs`` requests runs in: both the next power of two above the step's (so that one dummy request holds at
+    least one padding token), at least 16 tokens; None when the tokens exceed ``max_tokens``."""
+    tokens = max(16, 1 << num_tokens.bit_length())
+    return (1 << num_reqs.bit_length(), tokens) if tokens <= max_tokens else None
+
+
+def pad_extend(batch: ForwardBatch, padded_reqs: int, padded_tokens: int, width: int) -> ForwardBatch:
+    """A copy of an EXTEND ``batch`` grown to ``padded_tokens`` tokens and ``padded_reqs`` requests, for a CUDA graph
+    of that shape: the padding tokens are one dummy request's (positions 0.., the reserved row and KV slot: it
+    attends to its own keys, so its rows stay finite), and the further dummy requests have no tokens. The copy's
+    ``extend_width`` is ``width`` (>= ``padded_tokens``; the same for every shape, so that one compiled graph serves
+    them all), so the attention metadata does not depend on the real lengths."""
+    n, bs = batch.input_ids.shape[0], batch.bs
+    pad_tokens, pad_reqs = padded_tokens - n, padded_reqs - bs
+    assert pad_tokens >= 1 and pad_reqs >= 1, (n, bs, padded_tokens, padded_reqs)
+    dummy_lens = [pad_tokens] + [0] * (pad_reqs - 1)
+    tail = upload(np.concatenate([np.zeros(pad_tokens, np.int64), np.arange(pad_tokens, dtype=np.int64),
+                                  np.full(pad_tokens, DUMMY_SLOT, np.int64), np.full(pad_reqs, DUMMY_ROW, np.int64),
+                                  np.asarray(dummy_lens, np.int64), np.full(pad_reqs, n, np.int64)]),
+                  batch.input_ids.device)
+    cuts = np.cumsum([pad_tokens] * 3 + [pad_reqs] * 3)[:-1]
+    ids, positions, slots, rows, seq_lens, logits_index = torch.tensor_split(tail, cuts.tolist())
+    seq_lens_cpu = batch.seq_lens_cpu + dummy_lens
+    return batch.replace(
+        input_ids=torch.cat([batch.input_ids, ids]), positions=torch.cat([batch.positions, positions]),
+        out_cache_loc=torch.cat([batch.out_cache_loc, slots]), req_pool_indices=torch.cat([batch.req_pool_indices, rows]),
+        seq_lens=torch.cat([batch.seq_lens, seq_lens]), logits_index=torch.cat([batch.logits_index, logits_index]),
+        seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu + dummy_lens, padded_bs=padded_reqs,
+        seq_lens_sum=sum(seq_lens_cpu), extend_width=width)

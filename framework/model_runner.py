@@ -16,7 +16,7 @@ from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch, ForwardMode
 from framework import compile_guards
 from framework.compile_guards import CAN_SKIP_GUARDS, full_guards, guarded_if_skipping, input_signature
-from framework.graph_inputs import StaticInputs, pad_fresh
+from framework.graph_inputs import StaticInputs, dummy_extend_batch, extend_graph_shape, pad_extend, pad_fresh
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
 from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
@@ -50,7 +50,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
                  batch_sizes: list[int], device: torch.device, skip_guards: bool = False,
-                 pdl: bool = False, compile_extend: bool = False) -> None:
+                 pdl: bool = False, compile_extend: bool = False, extend_graph_tokens: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -63,14 +63,19 @@ class ModelRunner:
         if self.skip_guards:
             compile_guards.skip_guards_process_wide()  # see _guard_stance
         self.batch_sizes = sorted(set(batch_sizes))
+        # prefill steps of up to this many tokens run from CUDA graphs (padded: graph_inputs.pad_extend); 0: never
+        self.extend_graph_tokens = min(extend_graph_tokens, backend.allocator.max_context) \
+            if compiled and device.type == "cuda" else 0
         self.graph_shapes: set[tuple] = set()  # (mode, padded_bs, q_len) seen by the compiled forward
         self._static: dict[tuple, StaticInputs] = {}  # CUDA: (mode, padded_bs, q_len) -> the graph's int inputs
         model.set_attention_backend(backend)
         # [req_to_token rows] the latest token sampled for each request row, written on the device after every
         # sampling: the inputs of a step launched before the last one's tokens reached the host read it
         self.next_tokens = torch.zeros(backend.allocator.req_to_token.shape[0], dtype=torch.int64, device=device)
+        self.req_to_token = backend.allocator.req_to_token  # [rows, positions] written by staged decode forwards
         if device.type == "cuda":
             torch._dynamo.mark_static_address(self.next_tokens)  # read inside graphs, written outside them
+            torch._dynamo.mark_static_address(self.req_to_token)  # (a graph that mutates a plain input is skipped)
         self._compiled_forward = None
         self._compiled_extend = None  # EXTEND (ragged prefill): inductor with dynamic sizes, no CUDA graphs
         if compiled:
@@ -92,8 +97,15 @@ class ModelRunner:
                 self._compiled_forward = frozen_forward
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                 logits_index: torch.Tensor, extra: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states)."""
+                 logits_index: torch.Tensor, extra: Any = None,
+                 slot_writes: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states).
+        ``slot_writes``: (req_pool_indices ``[bs]``, out_cache_loc ``[bs]``) of a batch of one token per request whose
+        slots are not in the device's ``req_to_token`` yet (``ForwardBatch.write_slots``): written before attention
+        reads the table."""
+        if slot_writes is not None:
+            rows, slots = slot_writes
+            self.req_to_token[rows, positions] = slots
         input_ids = resolve_future_tokens(input_ids, self.next_tokens)
         return self.model(input_ids, positions, meta, logits_index, extra)
 
@@ -105,23 +117,17 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_extend(self, lens_list: list[list[int]]) -> None:
         """Compile the prefill graph ahead of serving for batches of ``lens`` new tokens per request (dynamo
-        specialises a few size classes: one request or several, one token or several, up to 16 tokens or more)."""
+        specialises a few size classes: one request or several, one token or several, up to 16 tokens or more).
+        Where prefill steps up to ``extend_graph_tokens`` run from CUDA graphs, the dynamic graph only meets larger
+        ones: one request's and several requests'."""
         if self._compiled_extend is None:
             return
-        dev = self.device
+        if self.extend_graph_tokens:
+            half = self.extend_graph_tokens // 2 + 1
+            lens_list = [[self.extend_graph_tokens + 1], [half, half]]
         limit = self.backend.allocator.req_to_token.shape[1]  # positions a request may have
         for lens in lens_list:
-            lens = [min(k, limit) for k in lens]
-            n = sum(lens)
-            zeros = torch.zeros(n, dtype=torch.int64, device=dev)
-            lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-            batch = ForwardBatch(
-                mode=ForwardMode.EXTEND, input_ids=zeros,
-                positions=torch.cat([torch.arange(k, device=dev) for k in lens]),
-                out_cache_loc=torch.full_like(zeros, DUMMY_SLOT),
-                req_pool_indices=torch.full((len(lens),), DUMMY_ROW, dtype=torch.int64, device=dev),
-                seq_lens=lens_t, seq_lens_cpu=list(lens), extend_lens_cpu=list(lens),
-                logits_index=lens_t.cumsum(0) - 1)
+            batch = dummy_extend_batch([min(k, limit) for k in lens], self.device)
             try:
                 self.forward(batch)
             except Exception as err:  # noqa: BLE001 - a compiler failure must not stop serving: prefill runs eagerly
@@ -129,6 +135,23 @@ class ModelRunner:
                             " ".join(str(err).split())[:300])
                 self._compiled_extend = None
                 return
+
+    @torch.inference_mode()
+    def warmup_extend_graphs(self, max_requests: int) -> None:
+        """Record the prefill CUDA graphs ahead of serving: every padded token count up to ``extend_graph_tokens`` for
+        steps of up to min(max_requests, 7) requests (steps of more requests record theirs when first met)."""
+        if not self.extend_graph_tokens:
+            return
+        reqs = 1
+        while reqs <= min(max_requests, 7):
+            tokens = 16
+            while tokens <= self.extend_graph_tokens:
+                n = max(reqs, tokens // 2 if tokens > 16 else reqs)  # new tokens of a step padded to `tokens`
+                if n < tokens:
+                    self.forward(dummy_extend_batch([n - reqs + 1] + [1] * (reqs - 1), self.device))
+                tokens *= 2
+            reqs = 2 * reqs + 1 if reqs > 1 else 2  # 1, 2, 5: steps padded to 2, 4 and 8 requests
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def warmup(self, mode: ForwardMode, q_len: int, layer_ids: Any = None) -> None:
@@ -147,7 +170,8 @@ class ModelRunner:
                 req_pool_indices=torch.full((bs,), DUMMY_ROW, dtype=torch.int64, device=dev),
                 seq_lens=torch.full((bs,), q_len, dtype=torch.int64, device=dev), seq_lens_cpu=[q_len] * bs,
                 extend_lens_cpu=[q_len] * bs, logits_index=torch.arange(n, device=dev),
-                custom_mask=causal if mode is not ForwardMode.DECODE and q_len > 1 else None)
+                custom_mask=causal if mode is not ForwardMode.DECODE and q_len > 1 else None,
+                write_slots=mode is ForwardMode.DECODE and self.stages_inputs)  # as the scheduler's decode batches
             if getattr(self.model, "takes_hidden_in", False):
                 batch.hidden_in = torch.zeros(n, self.model.args.hidden_size, dtype=self.model.dtype, device=dev)
             self.forward(batch, layer_ids)
@@ -221,14 +245,21 @@ class ModelRunner:
         stay valid; speculation v2 marks one step per iteration).
         """
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
-        if not (self.compiled and batch.mode.uniform):
+        # a staged batch's new slots: written inside the forward where the backend reads the table there, else
+        # now, before its metadata gathers from the table
+        in_forward = batch.write_slots and self.backend.reads_table_in_forward
+        if batch.write_slots and not in_forward:
+            self.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc
+        graph_shape = self._extend_graph_shape(batch, extra)
+        if not (self.compiled and batch.mode.uniform) and graph_shape is None:
             batch.attn = self.backend.init_metadata(batch)
             forward = self._forward
             if batch.mode is ForwardMode.EXTEND and self._compiled_extend is not None and extra is None:
                 forward = self._compiled_extend
+            writes = (batch.req_pool_indices, batch.out_cache_loc) if in_forward else None
             with guarded_if_skipping():  # (a backend may compile parts of its eager path)
-                return forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra)
-        padded = self.pad(batch)
+                return forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra, writes)
+        padded = self.pad(batch) if graph_shape is None else pad_extend(batch, *graph_shape, self.extend_graph_tokens)
         padded.attn = self.backend.init_metadata(padded)
         # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured
         # size; size 1 is specialised by dynamo); reduce-overhead still records one CUDA graph per concrete shape
@@ -238,11 +269,12 @@ class ModelRunner:
             dynamic.append((padded.hidden_in, 0))
         for tensor, dim in dynamic:  # (a no-op on a static buffer marked before)
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len))
+        self.graph_shapes.add((batch.mode, padded.padded_bs, padded.q_len if graph_shape is None else graph_shape[1]))
         if new_step:
             torch.compiler.cudagraph_mark_step_begin()
         extra = padded.hidden_in if padded.hidden_in is not None else layer_ids
-        args = (padded.input_ids, padded.positions, padded.attn, padded.logits_index, extra)
+        writes = (padded.req_pool_indices, padded.out_cache_loc) if in_forward else None
+        args = (padded.input_ids, padded.positions, padded.attn, padded.logits_index, extra, writes)
         try:
             with self._guard_stance(args):
                 logits, hidden = self._compiled_forward(*args)
@@ -252,7 +284,17 @@ class ModelRunner:
             log.warning("compiled forward recompiled for an input signature it had seen; ran it with full guards")
             with full_guards():
                 logits, hidden = self._compiled_forward(*args)
-        return logits[: batch.logits_index.shape[0]], hidden[: batch.input_ids.shape[0]]
+        hidden = hidden[: batch.input_ids.shape[0]]
+        if graph_shape is not None:  # NOTE: the graph's next replay overwrites it, and a v1 drafter's on_prefill
+            hidden = hidden.clone()  # reads a prefill's hidden states after the next step was launched
+        return logits[: batch.logits_index.shape[0]], hidden
+
+    def _extend_graph_shape(self, batch: ForwardBatch, extra: Any) -> Optional[tuple[int, int]]:
+        """(padded requests, padded tokens) when ``batch`` is a prefill step that runs from a CUDA graph."""
+        if batch.mode is not ForwardMode.EXTEND or not self.extend_graph_tokens or extra is not None \
+                or batch.custom_mask is not None:
+            return None
+        return extend_graph_shape(batch.input_ids.shape[0], batch.bs, self.extend_graph_tokens)
 
     def _guard_stance(self, args: tuple) -> Any:
         """Dynamo's guards cost ~0.4 ms of host time per call of this model (a guard per parameter and input):

@@ -62,7 +62,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, oldest first: holding a req row and KV
         self.num_preemptions = 0
-        # ModelRunner.stage, set by the engine: a decode batch's inputs written into the graph's static buffers
+        # ModelRunner.stage, set by the engine when forwards run from static buffers: a decode batch's inputs are
+        # written into the graph's static buffers (it must return them for every DECODE batch)
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
         self._sampling: Optional[tuple[list[Request], list[int], SamplingBatch]] = None  # the last one built
 
@@ -193,7 +194,13 @@ class Scheduler:
         reqs, lens = step.reqs, step.extend_lens
         starts = [r.kv_len for r in reqs]
         ends = [s + n for s, n in zip(starts, lens)]
-        out_cache_loc = self.allocator.assign([r.row for r in reqs], starts, ends)
+        # a decode batch goes straight into the CUDA graph's static buffers, and its forward writes the new slots
+        # into the device's req_to_token (no upload and scatter of its own)
+        staging = step.mode is ForwardMode.DECODE and self.stage_inputs is not None
+        if staging:
+            slots = self.allocator.assign_host([r.row for r in reqs], starts, ends)
+        else:
+            out_cache_loc = self.allocator.assign([r.row for r in reqs], starts, ends)
         if step.mode is ForwardMode.EXTEND:  # (a decoding request in a mixed step: its one next position)
             ids = np.concatenate([np.asarray([future_token(r)] if r.prefilled else r.token_slice(s, e), dtype=np.int64)
                                   for r, s, e in zip(reqs, starts, ends)])
@@ -204,11 +211,8 @@ class Scheduler:
             positions = np.asarray(starts, dtype=np.int64)
             logits_index = np.arange(len(reqs))
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
-        staged = None
-        if step.mode is ForwardMode.DECODE and self.stage_inputs is not None:  # into the graph's static buffers
-            slots = self.allocator.req_to_token_host[rows, positions]  # one token per request: what assign gave
+        if staging:
             staged = self.stage_inputs(step.mode, 1, [ids, positions, slots, rows, np.asarray(ends, dtype=np.int64)])
-        if staged is not None:
             input_ids, positions_t, out_cache_loc, rows_t, seq_lens, logits_index_t = staged
         else:
             parts = [ids, positions, rows, np.asarray(ends, dtype=np.int64), logits_index]
@@ -221,7 +225,7 @@ class Scheduler:
         return ForwardBatch(
             mode=step.mode, input_ids=input_ids, positions=positions_t, out_cache_loc=out_cache_loc,
             req_pool_indices=rows_t, seq_lens=seq_lens, seq_lens_cpu=ends, extend_lens_cpu=list(lens),
-            logits_index=logits_index_t, sampling=self.sampling_batch(reqs),
+            logits_index=logits_index_t, sampling=self.sampling_batch(reqs), write_slots=staging,
         )
 
     def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:

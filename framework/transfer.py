@@ -24,17 +24,28 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class AsyncCopy:
-    """A device tensor's values on their way to the host: :meth:`numpy` waits for them (and only for them)."""
+    """A device tensor's values on their way to the host: :meth:`numpy` waits for them (and only for them).
+
+    The pinned buffer and the event come from a free list per (shape, dtype) and go back once the values are read:
+    a decode step's copy reuses the last step's instead of allocating pinned memory and an event of its own."""
+
+    _free: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._event: Optional[torch.cuda.Event] = None
+        self._values: Optional[np.ndarray] = None
         if tensor.device.type == "cuda":
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._key = (tuple(tensor.shape), tensor.dtype)
+            free = AsyncCopy._free.get(self._key)
+            if free:
+                self._host, self._event = free.pop()
+            else:
+                self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._event = torch.cuda.Event()
             self._host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = tensor
+            self._values = tensor.numpy()
 
     def ready(self) -> bool:
         """True once the values have arrived (never waits)."""
@@ -42,7 +53,10 @@ class AsyncCopy:
 
     def numpy(self) -> np.ndarray:
         """The values; waits for the copy (not for the GPU work queued after it)."""
-        if self._event is not None:
+        if self._values is None:
             self._event.synchronize()
+            # NOTE: a copy of the values, so that the pinned buffer can serve the next transfer at once
+            self._values = self._host.numpy().copy()
+            AsyncCopy._free.setdefault(self._key, []).append((self._host, self._event))
             self._event = None
-        return self._host.numpy()
+        return self._values

@@ -81,7 +81,6 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
     engine.step()  # prefill
     engine.drain()
     step = engine.scheduler.schedule()
-    plain = engine.scheduler.build_batch(step)
     with torch.inference_mode():  # as the runner makes them, in a forward
         static = StaticInputs(4, 1, torch.device("cpu"))
     engine.scheduler.stage_inputs = lambda mode, q_len, ints: static.stage(ints, q_len)
@@ -89,6 +88,15 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
         staged = engine.scheduler.build_batch(step)
     finally:
         engine.scheduler.stage_inputs = None  # as on the CPU, where forwards do not run from static buffers
+    # the staged batch's slots are in the host mirror only; its forward writes them into the device table
+    alloc, rows, cols = engine.allocator, staged.req_pool_indices, staged.positions
+    host_slots = torch.from_numpy(alloc.req_to_token_host[rows.numpy(), cols.numpy()])
+    assert staged.write_slots and torch.equal(staged.out_cache_loc, host_slots)
+    alloc.req_to_token[rows, cols] = 0  # (an earlier test's requests may have left these slots in the table)
+    staged_logits, _ = engine.runner.forward(staged)
+    assert torch.equal(alloc.req_to_token[rows, cols], host_slots)
+    plain = engine.scheduler.build_batch(step)  # (assigns the same slots again, through the device)
+    assert not plain.write_slots
     for got, want in zip([*int_inputs(staged), staged.logits_index], [*int_inputs(plain), plain.logits_index]):
         assert torch.equal(got, want)
     assert static.holds(staged, 1) and not static.holds(staged, 2)
@@ -98,6 +106,7 @@ def test_staged_inputs_equal_the_scheduled_batch(compiled):
     static.fill(plain, 1)
     assert not static.holds(staged, 1)
     logits, _ = engine.runner.forward(plain)
+    assert torch.equal(logits.argmax(-1), staged_logits.argmax(-1))
     engine.scheduler.commit_launch(step)
     engine.scheduler.process(step, logits.argmax(-1).tolist())
     while engine.has_work():

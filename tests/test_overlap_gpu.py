@@ -100,3 +100,26 @@ def test_prefill_is_compiled_on_cuda():
     clear = (top2[:, 0] - top2[:, 1]) > 2 * err
     assert clear.any()
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_prefill_steps_run_from_cuda_graphs():
+    """compile.prefill_graph_tokens (512 by default): prefill steps of up to that many tokens run from CUDA graphs
+    (padded to a power of two and a dummy request), with the dynamic graph's logits up to bf16 rounding; a longer
+    step still takes the dynamic graph. One request a step and several."""
+    graphs = LLM(cuda_overrides(*BASE))
+    dynamic = LLM(cuda_overrides(*BASE, "compile.prefill_graph_tokens=0"))
+    long_prompt = " ".join(f"item {i}," for i in range(300))  # > 512 tokens
+    reqs = [{"prompt": p, "max_tokens": 1} for p in [*PROMPTS, long_prompt]]
+    got, want = prefill_logits(graphs, reqs), prefill_logits(dynamic, reqs)
+    assert got.shape == want.shape and got.shape[0] >= len(reqs)
+    err = (got - want).abs().amax(-1)  # [rows]
+    scale = want.abs().amax(-1)
+    assert (err <= 0.03 * scale).all(), f"graph prefill logits off by {err.tolist()} (scales {scale.tolist()})"
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert clear.any() and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    shapes = {s for s in graphs.engine.runner.graph_shapes if s[0] is ForwardMode.EXTEND}
+    assert shapes and all(reqs & (reqs - 1) == 0 and tokens <= 512 for _, reqs, tokens in shapes)
+    assert not any(s[0] is ForwardMode.EXTEND for s in dynamic.engine.runner.graph_shapes)
+    assert [o.token_ids for o in graphs.generate(reqs)] == [o.token_ids for o in graphs.generate(reqs)]
+    graphs.engine.allocator.assert_all_free()

@@ -23,6 +23,9 @@ class AttentionBackend:
     # EXTEND metadata made of tensors and sizes only (no per-request host lists inside forward): a ragged prefill
     # can run as one compiled graph with dynamic token and request counts
     compiles_extend = False
+    # forward reads slots from the allocator's req_to_token itself (the metadata holds the table, not a gather of
+    # it): a staged decode batch's new slots can be written inside the compiled forward (ModelRunner._forward)
+    reads_table_in_forward = False
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:

@@ -54,6 +54,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     compiles_extend = True
+    reads_table_in_forward = True
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
@@ -113,7 +114,8 @@ class TritonBackend(AttentionBackend):
         for i in range(1, len(lens)):
             starts[i] = starts[i - 1] + lens[i - 1]
         packed = torch.tensor(starts + lens, dtype=torch.int64).to(batch.input_ids.device, non_blocking=True)
-        return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, max(lens),
+        return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens,
+                              batch.extend_width or max(lens),
                               self.policy(1), uniform=False, q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
 
     def dynamic_dims(self, meta: TritonMetadata) -> list[tuple[torch.Tensor, int]]:
@@ -122,6 +124,8 @@ class TritonBackend(AttentionBackend):
             dims += [(meta.custom_mask, 0), (meta.custom_mask, 2)]
         if meta.mask_bits is not None:
             dims += [(meta.mask_bits, 0)]
+        if meta.q_starts is not None:  # a prefill step run from a CUDA graph: one compile for every padded shape
+            dims += [(meta.q_starts, 0), (meta.q_lens, 0)]
         return dims
 
     def forward_qkv(self, qkv: torch.Tensor, rope: Any, layer: int, meta: TritonMetadata) -> torch.Tensor:

@@ -94,6 +94,8 @@ def validate(config: Config) -> None:
     _choice("compile.pdl", c.pdl, ["auto", "on", "off"])
     _check("compile.batch_sizes", c.batch_sizes, len(c.batch_sizes) > 0 and all(b >= 1 for b in c.batch_sizes),
            "a non-empty list of integers >= 1")
+    _check("compile.prefill_graph_tokens", c.prefill_graph_tokens, c.prefill_graph_tokens >= 0,
+           "0 (off) or a token count")
     validate_sampling(config)
     validate_speculative(config)
     sc = config.scheduler

@@ -94,6 +94,9 @@ class CompileConfig:
     # compiled forwards on CUDA: prefill (EXTEND) too, as one inductor graph with dynamic sizes (no CUDA graphs),
     # where the attention backend's prefill metadata allows it (attention=triton)
     prefill: bool = True
+    # prefill steps of up to this many tokens (all requests together) run from CUDA graphs, padded to a power of two
+    # (at least 16) and to a captured batch size; larger ones take the dynamic inductor graph. 0: off
+    prefill_graph_tokens: int = 512
 
 
 @dataclass

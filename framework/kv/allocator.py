@@ -81,6 +81,42 @@ class KVAllocator:
         Returns the slots in row order, ``[sum(end - start)]`` int64 on the device, and writes them into
         ``req_to_token`` (device and host mirror). Raises ``MemoryError`` (allocating nothing) if pages run out.
         """
+        rows_np, cols_np, slots_np = self._assign(rows, starts, ends)
+        # one host->device copy of (row, col, slot) triples, then one scatter into the table
+        packed = upload(np.stack([rows_np, cols_np, slots_np]), self.device)
+        self.req_to_token[packed[0], packed[1]] = packed[2]
+        return packed[2]
+
+    def assign_host(self, rows: list[int], starts: list[int], ends: list[int]) -> np.ndarray:
+        """:meth:`assign` on the host only: the slots ``[sum(end - start)]`` go into the host mirror of
+        ``req_to_token``, and the caller writes them into the device table before anything reads them there (a
+        staged decode batch: its compiled forward does, see ``ForwardBatch.write_slots``)."""
+        if any(e - s != 1 for s, e in zip(starts, ends)):
+            return self._assign(rows, starts, ends)[2]
+        # one position per row (a decode step): a few list operations, cheaper than the general path's array work
+        self._take_pages(rows, ends)
+        size = self.page_size
+        slots = [self._pages[r][p // size] * size + p % size for r, p in zip(rows, starts)]
+        self.req_to_token_host[rows, starts] = slots
+        return np.asarray(slots, dtype=np.int64)
+
+    def _assign(self, rows: list[int], starts: list[int],
+                ends: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pages for positions ``[start, end)`` of each row; returns (row, column, slot) of every position, written
+        into the host mirror of ``req_to_token``."""
+        self._take_pages(rows, ends)
+        # every position at once: row and column of each token, its page from the table, its slot
+        lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        rows_np = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+        firsts = np.cumsum(lens) - lens  # flat index of each row's first token
+        cols_np = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - firsts,
+                                                                          lens)
+        slots_np = self._page_table[rows_np, cols_np // self.page_size] * self.page_size + cols_np % self.page_size
+        self.req_to_token_host[rows_np, cols_np] = slots_np
+        return rows_np, cols_np, slots_np
+
+    def _take_pages(self, rows: list[int], ends: list[int]) -> None:
+        """Pages so that each row holds positions ``< end``; raises ``MemoryError`` (taking none) if they run out."""
         if ends and max(ends) > self.max_context:
             raise ValueError(f"position {max(ends) - 1} beyond max_context {self.max_context}")
         need = sum(max(0, self.pages_for(e) - len(self._pages[r])) for r, e in zip(rows, ends))
@@ -91,18 +127,6 @@ class KVAllocator:
             while len(pages) < self.pages_for(end):
                 self._page_table[row, len(pages)] = page = self._free_pages.pop()
                 pages.append(page)
-        # every position at once: row and column of each token, its page from the table, its slot
-        lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
-        rows_np = np.repeat(np.asarray(rows, dtype=np.int64), lens)
-        firsts = np.cumsum(lens) - lens  # flat index of each row's first token
-        cols_np = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - firsts,
-                                                                          lens)
-        slots_np = self._page_table[rows_np, cols_np // self.page_size] * self.page_size + cols_np % self.page_size
-        self.req_to_token_host[rows_np, cols_np] = slots_np
-        # one host->device copy of (row, col, slot) triples, then one scatter into the table
-        packed = upload(np.stack([rows_np, cols_np, slots_np]), self.device)
-        self.req_to_token[packed[0], packed[1]] = packed[2]
-        return packed[2]
 
     # ---- invariants -----------------------------------------------------------------------------------
     def assert_all_free(self) -> None:
