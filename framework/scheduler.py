@@ -223,8 +223,8 @@ class Scheduler:
         if self.allocator.cache is None or not reqs or cached + span > req.prefill_target - 1:
             return False
         tokens = req.token_slice(cached, cached + span)
-        return any(not r.prefilled and r.kv_len <= cached < r.kv_len + n and r.token_slice(cached, cached + span) == tokens
-                   for r, n in zip(reqs, lens))
+        return any(not r.prefilled and r.kv_len <= cached < r.kv_len + n
+                   and r.token_slice(cached, cached + span) == tokens for r, n in zip(reqs, lens))
 
     @staticmethod
     def _samples(req: Request, n: int) -> bool:

@@ -43,6 +43,7 @@ class RadixCache:
         self.root.ref = 1  # NOTE: never evicted, never counted
         self.num_pages = 0  # pages the tree holds
         self.num_evictable = 0  # of them, those no running request holds (ref 0)
+        self.num_evicted = 0  # pages evicted so far
         self._clock = itertools.count(1)
         self._heap: list[tuple[int, int, Node]] = []  # (last_access, tiebreak, leaf) eviction candidates
         self._tiebreak = itertools.count()
@@ -151,6 +152,7 @@ class RadixCache:
             self.num_evictable -= 1
             freed.append(node.page)
             self._push(parent)
+        self.num_evicted += len(freed)
         return freed
 
     # ---- inspection ---------------------------------------------------------------------------------------

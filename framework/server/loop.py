@@ -279,6 +279,9 @@ class EngineLoop:
         total = allocator.num_pages * allocator.page_size
         self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),
                               allocator.num_used_slots / total if total else 0.0)
+        self.metrics.set_prefix_cache(scheduler.num_prompt_tokens, scheduler.num_cached_prompt_tokens,
+                                      scheduler.num_prefill_tokens,
+                                      allocator.num_cached_pages * allocator.page_size / total if total else 0.0)
 
     def _shutdown(self) -> None:
         self._dead = True
