@@ -78,6 +78,8 @@ class Scheduler:
         # the positions of a request whose K/V every pool holds (set by the engine when a drafter keeps a pool of
         # its own, which may lag behind the target's); the prefix cache takes pages only below it
         self.kv_valid_len: Optional[Callable[[Request], int]] = None
+        # (request, (tree version, prefill target), cached path) of the last match
+        self._last_match: Optional[tuple[Request, tuple[int, int], list]] = None
         # ModelRunner.stage, set by the engine: a decode batch's inputs written into the graph's static buffers
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
         self._sampling: Optional[tuple[list[Request], list[int], SamplingBatch]] = None  # the last one built
@@ -193,7 +195,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             target = req.prefill_target
-            prefix = self.allocator.match_prefix(req.token_slice(0, target - 1), target - 1)
+            prefix = self._match(req, target)
             cached = len(prefix) * self.allocator.page_size
             n = min(target - cached, budget)
             need = self.allocator.pages_for(n + (self.reserve_tokens if cached + n == target else 0))
@@ -214,6 +216,18 @@ class Scheduler:
             reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
         return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples) if reqs else None
+
+    def _match(self, req: Request, target: int) -> list:
+        """The cached pages ``req`` can take (a request left waiting is not matched again until the tree changes)."""
+        cache = self.allocator.cache
+        if cache is None:
+            return []
+        memo = self._last_match
+        if memo is not None and memo[0] is req and memo[1] == (cache.version, target):
+            return memo[2]
+        prefix = self.allocator.match_prefix(req.token_slice(0, target - 1), target - 1)
+        self._last_match = (req, (cache.version, target), prefix)
+        return prefix
 
     def _computing(self, req: Request, cached: int, reqs: list[Request], lens: list[int]) -> bool:
         """Prefix cache: whether a prefill chunk of this step computes the next ``IN_STEP_SHARE_TOKENS`` tokens of

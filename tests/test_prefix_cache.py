@@ -106,7 +106,8 @@ def test_chunked_prefill_and_the_overlapped_loop(reference, page_size):
 def test_eviction_and_preemption_in_a_small_pool():
     """A pool of about two requests: cached pages are evicted (least recently used first) and requests preempted;
     a preempted request re-runs from its own cached pages; nothing changes in the output."""
-    small = ["kv.page_size=4", "scheduler.max_context=160", "kv.max_total_tokens=200", "scheduler.max_running_requests=4"]
+    small = ["kv.page_size=4", "scheduler.max_context=160", "kv.max_total_tokens=200",
+             "scheduler.max_running_requests=4"]
     prompts, _ = workload(2)
     outs = {}
     for on in ("true", "false"):

@@ -105,7 +105,8 @@ def test_random_workload_matches_the_reference_tree(page_size, seed):
         op = rng.random()
         if op < 0.45 and len(live) < 6:  # admit: a stem (maybe cut mid-page) plus a random tail
             stem = rng.choice(stems)
-            tokens = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 2 * page_size + 3))]
+            tail = [rng.randrange(3) for _ in range(rng.randrange(1, 2 * page_size + 3))]
+            tokens = stem[: rng.randrange(len(stem) + 1)] + tail
             tokens = tokens[: alloc.max_context]
             limit = len(tokens) - 1
             path = alloc.match_prefix(tokens, limit)
@@ -189,6 +190,8 @@ def test_a_held_page_is_never_evicted_or_freed():
     alloc.check_invariants()
     alloc.free_request(other, tokens, 4)
     alloc.free_request(hog)
+    alloc.assert_all_free()
+    assert alloc.clear_cache() == 2 and alloc.num_cached_pages == 0 and alloc.num_free_pages == alloc.num_pages
     alloc.assert_all_free()
 
 

@@ -130,6 +130,15 @@ class KVAllocator:
         self.cache.unlock(node)
         self._free_pages.extend(reversed(free))
 
+    def clear_cache(self) -> int:
+        """Evict every cached page no request holds (after a failed step, whose K/V may not have been written);
+        returns how many."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.evict(self.cache.num_evictable)
+        self._free_pages.extend(freed)
+        return len(freed)
+
     def truncate(self, row: int, num_tokens: int) -> None:
         """Keep only the pages that positions ``< num_tokens`` of ``row`` use; free the rest."""
         pages = self._pages[row]

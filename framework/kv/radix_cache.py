@@ -44,6 +44,7 @@ class RadixCache:
         self.num_pages = 0  # pages the tree holds
         self.num_evictable = 0  # of them, those no running request holds (ref 0)
         self.num_evicted = 0  # pages evicted so far
+        self.version = 0  # changes whenever a page enters or leaves the tree (a match may have changed)
         self._clock = itertools.count(1)
         self._heap: list[tuple[int, int, Node]] = []  # (last_access, tiebreak, leaf) eviction candidates
         self._tiebreak = itertools.count()
@@ -120,6 +121,7 @@ class RadixCache:
                 node.children[key] = child
                 self.num_pages += 1
                 self.num_evictable += 1
+                self.version += 1
                 created = True
             elif child.page != page:
                 if stop_at_conflict:
@@ -150,6 +152,7 @@ class RadixCache:
             node.parent = None
             self.num_pages -= 1
             self.num_evictable -= 1
+            self.version += 1
             freed.append(node.page)
             self._push(parent)
         self.num_evicted += len(freed)

@@ -224,6 +224,7 @@ class EngineLoop:
             log.exception("engine step failed; failing its %d live requests", len(self._live))
             self._fail_all(APIError("the engine failed while generating; see the server log", status=500,
                                     type="server_error"))
+            self.engine.allocator.clear_cache()  # its K/V may be incomplete
         self.num_steps += 1
 
     def _publish(self) -> None:
