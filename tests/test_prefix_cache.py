@@ -229,3 +229,24 @@ def test_outputs_and_metrics_report_cached_tokens():
     assert m["prefix_cache"] is True and m["num_cached_prompt_tokens"] == sum(o.num_cached_tokens for o in outs)
     assert m["prefix_cache_hit_rate"] == round(m["num_cached_prompt_tokens"] / m["num_prompt_tokens"], 4) > 0.5
     assert m["num_prefill_tokens"] == m["num_prompt_tokens"] - m["num_cached_prompt_tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [[], ["speculative=ngram", "speculative.num_steps=3"],
+                                  ["speculative=eagle", "speculative.num_steps=3"],
+                                  ["speculative=draft_model", "speculative.draft_model=smollm2_135m_random",
+                                   "speculative.num_steps=3", "speculative.version=v2"]], ids=["none", "ngram", "eagle",
+                                                                                              "draft_model"])
+def test_cache_on_equals_off_on_cuda(spec):
+    """CUDA graphs, the overlapped loop, Triton attention and v2 speculation: the cache changes no token."""
+    from tests.test_gpu import cuda_overrides
+
+    base = ["model=smollm2_135m_random", "attention=triton", "scheduler.max_running_requests=4",
+            "compile.batch_sizes=[1,2,4]", "kv.page_size=16", *spec]
+    runs = {}
+    for on in ("true", "false"):
+        engine = LLM(cuda_overrides(*base, f"kv.prefix_cache={on}")).engine
+        assert engine.overlap or engine.spec_version == "v1"
+        runs[on] = two_turns(engine)
+    assert [tokens(t) for t in runs["true"]] == [tokens(t) for t in runs["false"]]
+    assert_turn_two_hits(*runs["true"], 16)
