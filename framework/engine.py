@@ -108,7 +108,7 @@ class Engine:
             self.scheduler.stage_inputs = self.runner.stage
         self.drafter = DRAFTERS.build(spec.name, self, spec)
         if self.drafter is not None and self.drafter.own_kv:  # its pool may lag: cache only what it holds too
-            self.scheduler.kv_valid_len = self.drafter.kv_valid_len
+            self.scheduler.prefix.kv_valid_len = self.drafter.kv_valid_len
         worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)

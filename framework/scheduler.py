@@ -27,13 +27,9 @@ from framework.batch import ForwardBatch, ForwardMode, SamplingBatch
 from framework.config import SchedulerConfig
 from framework.detokenizer import IncrementalDetokenizer, find_stop
 from framework.kv import KVAllocator
+from framework.prefix_sharing import PrefixSharing
 from framework.request import Request
 from framework.transfer import upload
-
-
-# a waiting request that shares at least this many tokens past its cached prefix with a prefill chunk of the step
-# being planned waits one step for them to be cached (fewer: it computes them itself; a shorter wait is not worth it)
-IN_STEP_SHARE_TOKENS = 32
 
 
 @dataclass
@@ -75,11 +71,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests (first admission)
         self.num_cached_prompt_tokens = 0  # of them, served by the prefix cache
         self.num_prefill_tokens = 0  # tokens prefilled (EXTEND forwards; re-prefills after preemption included)
-        # the positions of a request whose K/V every pool holds (set by the engine when a drafter keeps a pool of
-        # its own, which may lag behind the target's); the prefix cache takes pages only below it
-        self.kv_valid_len: Optional[Callable[[Request], int]] = None
-        # (request, (tree version, prefill target), cached path) of the last match
-        self._last_match: Optional[tuple[Request, tuple[int, int], list]] = None
+        self.prefix = PrefixSharing(allocator)  # the prefix cache's side of admission and freeing
         # ModelRunner.stage, set by the engine: a decode batch's inputs written into the graph's static buffers
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
         self._sampling: Optional[tuple[list[Request], list[int], SamplingBatch]] = None  # the last one built
@@ -112,15 +104,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.row >= 0:
-            self.allocator.free_request(req.row, *self._written(req))
+            self.prefix.release(req)
             req.row = -1
-
-    def _written(self, req: Request) -> tuple[list[int], int]:
-        """Prompt + output and how many of them have K/V written (in every pool): what the prefix cache may take.
-        (A launched position whose input token the host lacks yet, or past a rejected draft, is not counted.)"""
-        tokens = req.prompt_ids + req.output_ids
-        n = min(req.kv_len, len(tokens))
-        return tokens, min(n, self.kv_valid_len(req)) if self.kv_valid_len is not None else n
 
     # ---- admission and preemption --------------------------------------------------------------------
     def _pages_for_next(self, req: Request, tokens: int) -> int:
@@ -137,7 +122,7 @@ class Scheduler:
         (the re-prefill covers every generated token but the last), so nothing is lost."""
         assert not (req.num_pending or req.spec_inflight), "a request is preempted only once the host has all of its tokens"
         self.running.remove(req)
-        self.allocator.free_request(req.row, *self._written(req))
+        self.prefix.release(req)
         req.row, req.kv_len = -1, 0
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -195,13 +180,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             target = req.prefill_target
-            prefix = self._match(req, target)
+            prefix = self.prefix.match(req, target)
             cached = len(prefix) * self.allocator.page_size
             n = min(target - cached, budget)
             need = self.allocator.pages_for(n + (self.reserve_tokens if cached + n == target else 0))
             if prefix:  # cached pages nobody holds count as free until this request holds them
                 need += self.allocator.cache.num_unreferenced(prefix)
-            if need > free or self._computing(req, cached, reqs, lens):
+            if need > free or self.prefix.computing(req, cached, reqs, lens):
                 break
             self.waiting.popleft()
             free -= need
@@ -216,29 +201,6 @@ class Scheduler:
             reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
         return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples) if reqs else None
-
-    def _match(self, req: Request, target: int) -> list:
-        """The cached pages ``req`` can take (a request left waiting is not matched again until the tree changes)."""
-        cache = self.allocator.cache
-        if cache is None:
-            return []
-        memo = self._last_match
-        if memo is not None and memo[0] is req and memo[1] == (cache.version, target):
-            return memo[2]
-        prefix = self.allocator.match_prefix(req.token_slice(0, target - 1), target - 1)
-        self._last_match = (req, (cache.version, target), prefix)
-        return prefix
-
-    def _computing(self, req: Request, cached: int, reqs: list[Request], lens: list[int]) -> bool:
-        """Prefix cache: whether a prefill chunk of this step computes the next ``IN_STEP_SHARE_TOKENS`` tokens of
-        ``req`` past its cached prefix (the same tokens at the same positions); ``req`` then waits a step and
-        takes them from the cache instead of computing them twice."""
-        span = -(-IN_STEP_SHARE_TOKENS // self.allocator.page_size) * self.allocator.page_size
-        if self.allocator.cache is None or not reqs or cached + span > req.prefill_target - 1:
-            return False
-        tokens = req.token_slice(cached, cached + span)
-        return any(not r.prefilled and r.kv_len <= cached < r.kv_len + n
-                   and r.token_slice(cached, cached + span) == tokens for r, n in zip(reqs, lens))
 
     @staticmethod
     def _samples(req: Request, n: int) -> bool:
@@ -312,15 +274,7 @@ class Scheduler:
                 self.num_prefill_tokens += n
             req.kv_len += n
             req.num_pending += gets_token
-        self._share_prefilled(step)
-
-    def _share_prefilled(self, step: ScheduledStep) -> None:
-        """Prefix cache: a prefill step's full pages go into the tree at once, for the requests admitted next.
-        NOTE: K/V written by a launched forward are read only by forwards launched after it (one stream)."""
-        if step.mode is ForwardMode.EXTEND and self.allocator.cache is not None:
-            for req in step.reqs:
-                if req.row >= 0:
-                    self.allocator.cache_prefix(req.row, *self._written(req))
+        self.prefix.share(step.mode, step.reqs)
 
     # ---- results --------------------------------------------------------------------------------------
     def process(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
@@ -329,7 +283,7 @@ class Scheduler:
         finished."""
         finished = []
         now = time.perf_counter()
-        self._share_prefilled(step)  # (again: a v1 drafter's own pool has the chunk now)
+        self.prefix.share(step.mode, step.reqs)  # (again: a v1 drafter's own pool has the chunk now)
         for req, gets_token, token in zip(step.reqs, step.samples, tokens):
             if not gets_token:
                 continue
