@@ -161,19 +161,37 @@ def test_speculation_with_the_cache_equals_plain_decoding(spec, reference, page_
     assert_turn_two_hits(first, second, page_size, lag)
 
 
-def test_a_head_drafters_state_after_a_cached_prefix_equals_a_full_prefill():
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("turn", ["shared_prompt", "next_turn"])
+def test_a_head_drafters_state_after_a_cached_prefix_equals_a_full_prefill(version, turn):
     """EAGLE's first draft after a cached prefix: the head's logits at the root equal those of a full prefill
     (its K/V of the cached pages come from its own pool, the target's hidden state at the boundary from the
-    page table)."""
-    prompts, _ = workload(0)
+    page table: written by a prefill for a shared prompt, by a verify step for the next turn of a conversation)."""
+    from framework.request import Request
+    from framework.sampling import SamplingParams
+
+    prompts, follow = workload(0)
     roots = {}
     for on in ("true", "false"):
-        engine = LLM(TINY + ["speculative=eagle", "speculative.num_steps=2", "speculative.version=v1",
+        engine = LLM(TINY + ["speculative=eagle", "speculative.num_steps=2", f"speculative.version={version}",
                              f"kv.prefix_cache={on}", "kv.page_size=16", "scheduler.max_context=256"]).engine
-        run_token_prompts(engine, prompts[:1], 4)  # the system prompt, cached
-        req = run_token_prompts(engine, [prompts[1]], 1)[0]  # finishes right after its prefill
-        roots[on] = (req.num_cached_tokens, req.drafter_state.logits.clone())
-    assert roots["true"][0] == 64 and roots["false"][0] == 0
+        first = run_token_prompts(engine, prompts[:1], 4 if turn == "shared_prompt" else 40)[0]  # cached
+        prompt = prompts[1] if turn == "shared_prompt" else first.prompt_ids + first.output_ids + follow[0]
+        seen, launch = [], engine.drafter.on_prefill_launch
+
+        def spy(step, *args) -> None:  # v2: the head's state at the root, by request row
+            launch(step, *args)
+            seen.append(engine.drafter.root_logits[step.reqs[0].row].clone())
+
+        engine.drafter.on_prefill_launch = spy
+        req = Request(rid=0, prompt_ids=prompt, params=SamplingParams(max_tokens=1), seed=0, max_new_tokens=1)
+        engine.submit(req)
+        while engine.has_work():  # it finishes right after its prefill
+            engine.step()
+        logits = req.drafter_state.logits if version == "v1" else seen[-1]
+        assert logits.abs().max() > 0
+        roots[on] = (req.num_cached_tokens, logits.clone())
+    assert roots["true"][0] == (64 if turn == "shared_prompt" else 112) and roots["false"][0] == 0
     assert (roots["true"][1] - roots["false"][1]).abs().max() < 1e-4
 
 
