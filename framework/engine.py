@@ -109,6 +109,7 @@ class Engine:
         self.drafter = DRAFTERS.build(spec.name, self, spec)
         if self.drafter is not None and self.drafter.own_kv:  # its pool may lag: cache only what it holds too
             self.scheduler.prefix.kv_valid_len = self.drafter.kv_valid_len
+            self.scheduler.prefix.share_at_launch = self.spec_version == "v2"  # (v1 fills it in on_prefill)
         worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
@@ -124,7 +125,8 @@ class Engine:
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, prefix_cache=%s, compile=%s, "
                  "overlap=%s%s", self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
-                 config.kv.page_size, "on" if config.kv.prefix_cache else "off", "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
+                 config.kv.page_size, "on" if config.kv.prefix_cache else "off",
+                 "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
                  f", speculative={spec.name} {self.spec_version}" if self.spec_version else "")
 
     # ---- requests -------------------------------------------------------------------------------------

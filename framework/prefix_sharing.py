@@ -26,6 +26,9 @@ class PrefixSharing:
         # the positions of a request whose K/V every pool holds (set by the engine when a drafter keeps a pool of
         # its own, which may lag behind the target's); the cache takes pages only below it
         self.kv_valid_len: Optional[Callable[[Request], int]] = None
+        # False when such a drafter fills its pool only once the step's tokens are on the host (v1): pages are then
+        # shared after the step is applied, not at its launch
+        self.share_at_launch = True
         self._last: Optional[tuple[Request, tuple[int, int], list]] = None  # (request, (tree version, target), path)
 
     def match(self, req: Request, target: int) -> list:
@@ -59,10 +62,10 @@ class PrefixSharing:
         n = min(req.kv_len, len(tokens))
         return tokens, min(n, self.kv_valid_len(req)) if self.kv_valid_len is not None else n
 
-    def share(self, mode: ForwardMode, reqs: list[Request]) -> None:
-        """After a prefill (EXTEND) step is launched: its requests' full pages go into the tree at once, for the
-        requests admitted next."""
-        if mode is ForwardMode.EXTEND and self.allocator.cache is not None:
+    def share(self, mode: ForwardMode, reqs: list[Request], launched: bool) -> None:
+        """After a prefill (EXTEND) step is launched (``launched``) or applied: its requests' full pages go into
+        the tree, for the requests admitted next."""
+        if mode is ForwardMode.EXTEND and self.allocator.cache is not None and (self.share_at_launch or not launched):
             for req in reqs:
                 if req.row >= 0:
                     self.allocator.cache_prefix(req.row, *self.written(req))

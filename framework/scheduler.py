@@ -274,7 +274,7 @@ class Scheduler:
                 self.num_prefill_tokens += n
             req.kv_len += n
             req.num_pending += gets_token
-        self.prefix.share(step.mode, step.reqs)
+        self.prefix.share(step.mode, step.reqs, launched=True)
 
     # ---- results --------------------------------------------------------------------------------------
     def process(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
@@ -283,7 +283,7 @@ class Scheduler:
         finished."""
         finished = []
         now = time.perf_counter()
-        self.prefix.share(step.mode, step.reqs)  # (again: a v1 drafter's own pool has the chunk now)
+        self.prefix.share(step.mode, step.reqs, launched=False)  # (a v1 drafter's own pool has the chunk now)
         for req, gets_token, token in zip(step.reqs, step.samples, tokens):
             if not gets_token:
                 continue
