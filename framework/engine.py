@@ -87,7 +87,7 @@ class Engine:
             raise ConfigError(f"kv.max_total_tokens={num_tokens} is not allowed; one full-length request needs "
                               f"{self.max_context + self.spec_width} tokens")
         self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
-                                     self.max_context + self.spec_width, self.device)
+                                     self.max_context + self.spec_width, self.device, config.kv.prefix_cache)
         self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
         self.backend = build_backend(config.attention.name, self.pool, self.allocator, args)
         mode = config.compile.mode
@@ -108,6 +108,9 @@ class Engine:
         if self.runner.stages_inputs:  # decode batches go straight into the CUDA graphs' static buffers
             self.scheduler.stage_inputs = self.runner.stage
         self.drafter = DRAFTERS.build(spec.name, self, spec)
+        if self.drafter is not None and self.drafter.own_kv:  # its pool may lag: cache only what it holds too
+            self.scheduler.prefix.kv_valid_len = self.drafter.kv_valid_len
+            self.scheduler.prefix.share_at_launch = self.spec_version == "v2"  # (v1 fills it in on_prefill)
         worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
@@ -122,9 +125,10 @@ class Engine:
             self.spec_worker.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, compile=%s, overlap=%s%s",
-                 self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
-                 config.kv.page_size, "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
+        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, prefix_cache=%s, compile=%s, "
+                 "overlap=%s%s", self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
+                 config.kv.page_size, "on" if config.kv.prefix_cache else "off",
+                 "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
                  f", speculative={spec.name} {self.spec_version}" if self.spec_version else "")
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -205,7 +209,7 @@ class Engine:
                     "mean_accept_len": round(req.spec_accepted_tokens / steps, 4) if steps else 0.0}
         return RequestOutput(id=req.rid, text=text, token_ids=list(req.output_ids),
                              finish_reason=req.finish_reason or "abort", num_prompt_tokens=len(req.prompt_ids),
-                             spec=spec)
+                             spec=spec, num_cached_tokens=req.num_cached_tokens)
 
     # ---- the loop -------------------------------------------------------------------------------------
     @torch.inference_mode()

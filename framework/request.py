@@ -22,6 +22,9 @@ class Request:
     spec_inflight: int = 0  # speculation v2: iterations launched whose accepted tokens the host does not have yet
     row: int = -1  # req_to_token row while the request holds KV
     kv_len: int = 0  # positions whose K/V are in the pool or written by a launched forward
+    prefix_len: int = 0  # positions of the current admission whose K/V came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
+    num_admissions: int = 0  # 1 + preemptions so far, once admitted
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_text_len: Optional[int] = None  # text is cut here when a stop string matched
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -70,10 +73,11 @@ class RequestOutput:
     num_prompt_tokens: int
     error: Optional[str] = None
     spec: Optional[dict] = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     def to_json(self) -> dict:
         out = {"id": self.id, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-               "num_prompt_tokens": self.num_prompt_tokens}
+               "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens}
         if self.error is not None:
             out["error"] = self.error
         if self.spec is not None:

@@ -5,6 +5,11 @@ NOTE: with the overlapped engine loop the scheduler plans step N+1 before step N
 launched step's positions count at once (``Request.kv_len``; :meth:`Scheduler.commit_launch`) and its sampled
 tokens as ``Request.num_pending``; a decode input whose token the host lacks is the placeholder ``-1 - row``,
 which the forward replaces on the device with the row's latest sampled token (``ModelRunner.next_tokens``).
+
+Prefix cache (``kv.prefix_cache``): a request is admitted with the longest cached prefix of its tokens (whole pages,
+at most ``prefill_target - 1`` tokens: the last one is always computed, for its logits) and prefills the rest; its
+pages go into the tree as its prefill chunks complete, and all its full pages of written tokens when it finishes or
+is preempted (a preempted request re-runs mostly from the cache).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from framework.batch import ForwardBatch, ForwardMode, SamplingBatch
 from framework.config import SchedulerConfig
 from framework.detokenizer import IncrementalDetokenizer, find_stop
 from framework.kv import KVAllocator
+from framework.prefix_sharing import PrefixSharing
 from framework.request import Request
 from framework.transfer import upload
 
@@ -62,6 +68,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admitted, oldest first: holding a req row and KV
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests (first admission)
+        self.num_cached_prompt_tokens = 0  # of them, served by the prefix cache
+        self.num_prefill_tokens = 0  # tokens prefilled (EXTEND forwards; re-prefills after preemption included)
+        self.prefix = PrefixSharing(allocator)  # the prefix cache's side of admission and freeing
         # ModelRunner.stage, set by the engine when forwards run from static buffers: a decode batch's inputs are
         # written into the graph's static buffers (it must return them for every DECODE batch)
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
@@ -95,7 +105,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.row >= 0:
-            self.allocator.free_request(req.row)
+            self.prefix.release(req)
             req.row = -1
 
     # ---- admission and preemption --------------------------------------------------------------------
@@ -113,7 +123,7 @@ class Scheduler:
         (the re-prefill covers every generated token but the last), so nothing is lost."""
         assert not (req.num_pending or req.spec_inflight), "a request is preempted only once the host has all of its tokens"
         self.running.remove(req)
-        self.allocator.free_request(req.row)
+        self.prefix.release(req)
         req.row, req.kv_len = -1, 0
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -170,13 +180,24 @@ class Scheduler:
         # admission: the new prompt's pages must fit next to what running requests need for their next step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            n = min(req.prefill_target, budget)
-            need = self.allocator.pages_for(n + (self.reserve_tokens if n == req.prefill_target else 0))
-            if need > free:
+            target = req.prefill_target
+            prefix = self.prefix.match(req, target)
+            cached = len(prefix) * self.allocator.page_size
+            n = min(target - cached, budget)
+            need = self.allocator.pages_for(n + (self.reserve_tokens if cached + n == target else 0))
+            if prefix:  # cached pages nobody holds count as free until this request holds them
+                need += self.allocator.cache.num_unreferenced(prefix)
+            if need > free or self.prefix.computing(req, cached, reqs, lens):
                 break
             self.waiting.popleft()
             free -= need
-            req.row = self.allocator.alloc_request()
+            req.row = self.allocator.alloc_request(prefix)
+            req.kv_len = req.prefix_len = cached
+            if not req.num_admissions:
+                req.num_cached_tokens = cached
+                self.num_prompt_tokens += len(req.prompt_ids)
+                self.num_cached_prompt_tokens += cached
+            req.num_admissions += 1
             self.running.append(req)
             reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
@@ -253,8 +274,11 @@ class Scheduler:
     def commit_launch(self, step: ScheduledStep) -> None:
         """A launched step's positions count at once; the tokens it samples are pending until :meth:`process`."""
         for req, n, gets_token in zip(step.reqs, step.extend_lens, step.samples):
+            if step.mode is ForwardMode.EXTEND and not req.prefilled:
+                self.num_prefill_tokens += n
             req.kv_len += n
             req.num_pending += gets_token
+        self.prefix.share(step.mode, step.reqs, launched=True)
 
     # ---- results --------------------------------------------------------------------------------------
     def process(self, step: ScheduledStep, tokens: list[int]) -> list[Request]:
@@ -263,6 +287,7 @@ class Scheduler:
         finished."""
         finished = []
         now = time.perf_counter()
+        self.prefix.share(step.mode, step.reqs, launched=False)  # (a v1 drafter's own pool has the chunk now)
         for req, gets_token, token in zip(step.reqs, step.samples, tokens):
             if not gets_token:
                 continue

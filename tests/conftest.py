@@ -31,9 +31,12 @@ Engine.__init__ = _tracking_init
 @pytest.fixture(autouse=True)
 def kv_slots_all_free():
     """NOTE: the invariant every generation test relies on: once an engine has no work, every KV slot and
-    request row is free again."""
+    request row is free again (or, with the prefix cache, cached with no request holding it); and at any time
+    between steps the prefix cache's reference counts equal the requests holding each page, no page is both free
+    and cached, and free + cached + held pages are all pages (``KVAllocator.check_invariants``)."""
     yield
     for engine in list(_ENGINES):
+        engine.allocator.check_invariants()
         if not engine.has_work():
             engine.allocator.assert_all_free()
 

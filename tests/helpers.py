@@ -63,3 +63,22 @@ def greedy_with_logits(engine, prompts: list[list[int]], max_tokens: int) -> lis
                 logits_of[req.rid].append(logits[row].clone())
         engine.scheduler.process(step, logits.argmax(-1).tolist())
     return [(r.output_ids, logits_of[r.rid]) for r in reqs]
+
+
+def run_token_prompts(engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                      seed: int = 0) -> list:
+    """Generate for ``prompts`` (token ids) through :meth:`Engine.step`, checking the KV allocator's and prefix
+    cache's invariants after every step; returns the finished requests in order."""
+    from framework.request import Request
+    from framework.sampling import SamplingParams
+
+    reqs = []
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=seed + i)
+        reqs.append(Request(rid=i, prompt_ids=list(ids), params=params, seed=seed + i, max_new_tokens=max_tokens))
+        engine.submit(reqs[-1])
+    while engine.has_work():
+        engine.step()
+        engine.allocator.check_invariants()
+    assert all(r.finished for r in reqs)
+    return reqs

@@ -347,6 +347,21 @@ def test_metrics_endpoint(server, client):
     assert samples["tfs_spec_mean_accept_length"] == 0.0  # no speculation here
 
 
+def test_prefix_cache_metrics(server, client, tiny_llm):
+    """The same long prompt twice: the second is served from the prefix cache, its output unchanged, and /metrics
+    reports the hit rate, its sums and the prefilled tokens."""
+    prompt = "The committee met on Tuesday to discuss the budget for the coming year. " * 6
+    outs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6).choices[0].text for _ in range(2)]
+    assert outs[0] == outs[1] == tiny_llm.generate([{"prompt": prompt, "max_tokens": 6}])[0].text
+    text = httpx.get(server.url + "/metrics").text
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if not s.labels}
+    prompt_tokens, hits = samples["tfs_prefix_cache_prompt_tokens_total"], samples["tfs_prefix_cache_hit_tokens_total"]
+    assert hits >= 64 and samples["tfs_prefix_cache_hit_rate"] == pytest.approx(hits / prompt_tokens)
+    assert samples["tfs_prefill_tokens_total"] <= prompt_tokens - hits  # (other tests' requests may share too)
+    assert 0 < samples["tfs_prefix_cache_usage_ratio"] <= 1
+
+
 def test_spec_mean_accept_length_is_accepted_per_verify_step():
     from framework.request import Request
     from framework.sampling import SamplingParams

@@ -89,6 +89,7 @@ def validate(config: Config) -> None:
     kv = config.kv
     _check("kv.page_size", kv.page_size, kv.page_size >= 1, "an integer >= 1")
     _check("kv.max_total_tokens", kv.max_total_tokens, kv.max_total_tokens >= 0, "0 (auto) or a token count")
+    _check("kv.prefix_cache", kv.prefix_cache, isinstance(kv.prefix_cache, bool), "true or false")
     c = config.compile
     _choice("compile.mode", c.mode, ["auto", "eager", "reduce_overhead"])
     _choice("compile.pdl", c.pdl, ["auto", "on", "off"])

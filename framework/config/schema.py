@@ -79,6 +79,9 @@ class AttentionConfig:
 class KVConfig:
     page_size: int = 16
     max_total_tokens: int = 0  # 0: max_running_requests * max_context
+    # requests that share a prefix share its full KV pages (a radix tree over token ids; unreferenced pages are
+    # evicted least recently used first, before a running request is preempted); false: every prompt is prefilled
+    prefix_cache: bool = True
 
 
 @dataclass

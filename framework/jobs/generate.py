@@ -96,7 +96,8 @@ def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
     wall = engine.stats.wall_s
     tokens = sum(len(o.token_ids) for o in outputs)
     out = {"num_requests": len(outputs), "num_output_tokens": tokens, "wall_s": round(wall, 4),
-           "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0, "startup_s": round(engine.startup_s, 2)}
+           "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0, "startup_s": round(engine.startup_s, 2),
+           **prefix_cache_metrics(engine)}
     if engine.spec_worker is not None:
         out.update(engine.spec_worker.stats.summary())
         sp = engine.config.speculative
@@ -110,6 +111,16 @@ def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
             out["draft_indexer_calls"] = calls
             out["spec_params"]["index_reuse"] = engine.drafter.reuse_topk
     return out
+
+
+def prefix_cache_metrics(engine) -> dict[str, Any]:
+    """Prompt tokens admitted, those the prefix cache served, the hit rate (their ratio) and the tokens prefilled
+    (re-prefills after preemption included)."""
+    sched = engine.scheduler
+    prompt, cached = sched.num_prompt_tokens, sched.num_cached_prompt_tokens
+    return {"prefix_cache": engine.config.kv.prefix_cache, "num_prompt_tokens": prompt,
+            "num_cached_prompt_tokens": cached, "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "num_prefill_tokens": sched.num_prefill_tokens}
 
 
 def hydra_job_dir() -> Path | None:

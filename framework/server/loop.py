@@ -224,6 +224,7 @@ class EngineLoop:
             log.exception("engine step failed; failing its %d live requests", len(self._live))
             self._fail_all(APIError("the engine failed while generating; see the server log", status=500,
                                     type="server_error"))
+            self.engine.allocator.clear_cache()  # its K/V may be incomplete
         self.num_steps += 1
 
     def _publish(self) -> None:
@@ -279,6 +280,9 @@ class EngineLoop:
         total = allocator.num_pages * allocator.page_size
         self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),
                               allocator.num_used_slots / total if total else 0.0)
+        self.metrics.set_prefix_cache(scheduler.num_prompt_tokens, scheduler.num_cached_prompt_tokens,
+                                      scheduler.num_prefill_tokens,
+                                      allocator.num_cached_pages * allocator.page_size / total if total else 0.0)
 
     def _shutdown(self) -> None:
         self._dead = True

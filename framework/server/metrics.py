@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server: requests, tokens, tokens/s, queue depth, KV usage, speculative acceptance.
+"""Prometheus metrics of one server: requests, tokens, tokens/s, queue depth, KV usage, prefix-cache hits,
+speculative acceptance.
 
 Each server owns its own ``CollectorRegistry`` (several servers can live in one process, e.g. in tests). The
 engine loop feeds the counters; ``GET /metrics`` renders them in the Prometheus text format.
@@ -35,7 +36,18 @@ class ServerMetrics:
         self.queue_depth = Gauge("tfs_queue_depth", "Requests waiting for admission (not yet holding KV)",
                                  registry=r)
         self.running = Gauge("tfs_running_requests", "Requests admitted and holding KV", registry=r)
-        self.kv_usage = Gauge("tfs_kv_usage_ratio", "Fraction of KV cache slots in use", registry=r)
+        self.kv_usage = Gauge("tfs_kv_usage_ratio", "Fraction of KV cache slots in use by running requests "
+                              "(cached pages no request holds excluded)", registry=r)
+        self.cache_prompt_tokens = Counter("tfs_prefix_cache_prompt_tokens", "Prompt tokens of admitted requests",
+                                           registry=r)
+        self.cache_hit_tokens = Counter("tfs_prefix_cache_hit_tokens", "Prompt tokens of admitted requests served "
+                                        "by the prefix cache", registry=r)
+        self.cache_hit_rate = Gauge("tfs_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / prompt "
+                                    "tokens of admitted requests (0 before any)", registry=r)
+        self.prefill_tokens = Counter("tfs_prefill_tokens", "Tokens prefilled (re-prefills after preemption "
+                                      "included)", registry=r)
+        self.cache_usage = Gauge("tfs_prefix_cache_usage_ratio", "Fraction of KV cache slots in pages the prefix "
+                                 "cache holds", registry=r)
         self.spec_steps = Counter("tfs_spec_verify_steps", "Speculative verify steps of ended requests", registry=r)
         self.spec_accepted = Counter("tfs_spec_accepted_tokens", "Tokens emitted by verify steps of ended requests "
                                      "(accepted drafts plus the bonus token)", registry=r)
@@ -50,6 +62,7 @@ class ServerMetrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self._lock = threading.Lock()
         self._spec_totals = [0, 0]  # verify steps, accepted tokens
+        self._cache_totals = (0, 0, 0)  # prompt tokens, cached prompt tokens, prefilled tokens: the scheduler's last
         self.tokens_per_s.set_function(self._tokens_per_s)
 
     # ---- updates (engine thread) --------------------------------------------------------------------------
@@ -83,6 +96,18 @@ class ServerMetrics:
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_usage.set(kv_usage)
+
+    def set_prefix_cache(self, prompt_tokens: int, cached_tokens: int, prefill_tokens: int,
+                         cache_usage: float) -> None:
+        """The scheduler's running totals (the counters advance by the difference) and the cache's share of KV."""
+        last = self._cache_totals
+        for counter, now, before in zip((self.cache_prompt_tokens, self.cache_hit_tokens, self.prefill_tokens),
+                                        (prompt_tokens, cached_tokens, prefill_tokens), last):
+            if now > before:
+                counter.inc(now - before)
+        self._cache_totals = (prompt_tokens, cached_tokens, prefill_tokens)
+        self.cache_hit_rate.set(cached_tokens / prompt_tokens if prompt_tokens else 0.0)
+        self.cache_usage.set(cache_usage)
 
     # ---- reading (HTTP thread) ----------------------------------------------------------------------------
     def _tokens_per_s(self, now: Optional[float] = None) -> float:

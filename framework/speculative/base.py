@@ -64,6 +64,7 @@ class Drafter:
     v2_by_default = False  # speculative.version=auto takes v2 (its v2 iteration has run on a GPU too)
     v2 = False  # set by use_v2
     forward_kwargs: dict = {}
+    own_kv = False  # True: a KV pool of its own (draft_model, eagle, mtp), whose valid length kv_valid_len gives
 
     @classmethod
     def scratch_width(cls, cfg: "SpeculativeConfig") -> int:
@@ -80,6 +81,12 @@ class Drafter:
         """After a target EXTEND forward (``hidden`` [num_tokens, hidden]), its positions already committed
         (``req.kv_len`` includes the chunk); ``roots[i]`` is request i's next decode input when this chunk completes
         its prefill, else None."""
+
+    def kv_valid_len(self, req: "Request") -> int:
+        """Positions of ``req`` whose K/V (and per-page state) the drafter's own pool holds, from 0 (drafters with
+        ``own_kv``). The prefix cache shares only pages below it: a request that takes a cached prefix finds the
+        drafter's K/V of it there too, and the drafter prefills only the rest, as the target does."""
+        raise NotImplementedError
 
     def use_v2(self) -> None:
         """Called by the v2 worker that drives this drafter: its forwards belong to the iteration's CUDA-graph

@@ -4,7 +4,11 @@ allocator, so a token's draft K/V sit at the same slot index as its target K/V.
 Per request the drafter remembers how many positions of its own pool are valid (``drafter_state``). Each
 iteration first catches up on the tokens accepted since (a ragged forward ending at the root), then drafts. After
 a chain verify its K/V stay valid along the accepted path; after a tree verify only the root's do (the tree's
-layout differs from the drafting scratch), and the next catch-up re-extends the accepted tokens."""
+layout differs from the drafting scratch), and the next catch-up re-extends the accepted tokens.
+
+Prefix cache: the tree takes a request's pages only below its valid draft length (:meth:`kv_valid_len`), so the
+draft pool holds every cached page's K/V too; a request that takes a cached prefix prefills only the rest, in both
+pools (its prefill chunks run in the draft model as they run in the target)."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ def draft_vocab_size(mcfg: ModelConfig) -> int:
 @DRAFTERS.register("draft_model")
 class DraftModelDrafter(ModelDrafter):
     name = "draft_model"
+    own_kv = True
     drafts_in_v2 = True  # v2: prefill chunks at launch, then num_steps + 1 uniform steps (the last for its K/V)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
@@ -75,6 +80,10 @@ class DraftModelDrafter(ModelDrafter):
     def use_v2(self) -> None:
         super().use_v2()
         self.forward_last = True
+
+    def kv_valid_len(self, req) -> int:
+        """v2 writes every committed token's K/V (forward_last); v1 catches up at the next iteration."""
+        return req.kv_len if self.v2 else (req.drafter_state or 0)
 
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
         if self.v2:  # every accepted token's K/V is in the pool (forward_last): only the root is new

@@ -11,6 +11,11 @@ Speculation v2 (:meth:`EagleDrafter.use_v2`): the head's state at each request's
 request row; the prefill chunk goes to the head when it is launched, and after every verify one DRAFT_EXTEND_V2
 forward (graph-static: all num_steps + 1 emitted tokens of every request, padded) leaves the state at
 ``arange(bs) * (num_steps + 1) + accept_len - 1``.
+
+Prefix cache: the tree takes pages only below the head's valid length (:meth:`EagleDrafter.kv_valid_len`), so the
+head's pool holds the K/V of every cached page; a request that takes a cached prefix runs the head over the rest
+only, its first new token paired with the target's hidden state at the prefix's last position, kept per page
+(:class:`framework.speculative.page_carry.PageCarry`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from framework.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, SpecContext
 from framework.speculative.model_drafter import ModelDrafter
+from framework.speculative.page_carry import PageCarry
 from tfs_kernels.rope_store import rope_at
 
 
@@ -90,12 +96,33 @@ class EagleDrafter(ModelDrafter):
     name = "eagle"
     drafts_in_v2 = v2_by_default = True  # (its v2 iteration gives v1's tokens on a GPU: tests/test_spec_v2_gpu.py)
     extends_after_verify = True  # v2: DRAFT_EXTEND_V2 after every verification
+    own_kv = True
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         super().__init__(engine, cfg)
         self.head = build_head(engine.model, cfg.checkpoint, cfg.seed)
         a = engine.model.args
         self.own_runner(self.head, 1, a.num_heads, a.num_kv_heads, a.head_dim)
+        self.init_page_carry()
+
+    def init_page_carry(self) -> None:
+        """With the prefix cache: the target's hidden state at every page's last position (see the module doc)."""
+        eng = self.engine
+        self.page_carry = None if eng.allocator.cache is None else PageCarry(
+            eng.allocator, eng.model.args.hidden_size, eng.dtype, eng.device)
+
+    def kv_valid_len(self, req) -> int:
+        """v2: every committed position (and the root); v1: up to the last catch-up extend."""
+        if self.v2:
+            return req.kv_len
+        return req.drafter_state.kv_len if isinstance(req.drafter_state, EagleState) else 0
+
+    def _page_ends(self, row: int, start: int, end: int, first_row: int, pages: list[int], rows: list[int]) -> None:
+        """Collect the positions of ``[start, end)`` that end a page (their hidden states at ``first_row + k``)."""
+        if self.page_carry is not None:
+            p, offsets = self.page_carry.page_ends(row, start, end)
+            pages += p
+            rows += [first_row + o for o in offsets]
 
     def _extend(self, reqs, rows: list[int], starts: list[int], ids: list[list[int]],
                 hidden_in: torch.Tensor) -> None:
@@ -124,15 +151,18 @@ class EagleDrafter(ModelDrafter):
     def on_prefill(self, batch: ForwardBatch, step, hidden: torch.Tensor, roots: list[Optional[int]]) -> None:
         """Positions [s, e) of each chunk, plus the root when the prefill is complete: token p pairs with the
         target's hidden state of p - 1 (zeros before the first token)."""
-        alloc = self.engine.allocator
-        reqs, rows, starts, ids, hiddens = [], [], [], [], []
+        alloc, pc = self.engine.allocator, self.page_carry
+        reqs, rows, starts, ids, hiddens, end_pages, end_rows = [], [], [], [], [], [], []
         offset = 0
         for req, n, root in zip(step.reqs, step.extend_lens, roots):
             s = req.kv_len - n  # the chunk's first position (its positions are committed already)
             chunk = hidden[offset: offset + n]
+            self._page_ends(req.row, s, s + n, offset, end_pages, end_rows)
             offset += n
             state = req.drafter_state
             carry = state.carry if s > 0 and state is not None and state.carry is not None else None
+            if pc is not None and 0 < s == req.prefix_len:  # the first chunk after a cached prefix
+                carry = pc.states[pc.page_of(req.row, s - 1)]
             prev = carry if carry is not None else torch.zeros_like(chunk[0])
             done = root is not None
             seq = req.token_slice(s, s + n) + ([root] if done else [])
@@ -142,6 +172,8 @@ class EagleDrafter(ModelDrafter):
             req.drafter_state = EagleState(kv_len=s, carry=chunk[-1])
             reqs.append(req), rows.append(req.row), starts.append(s), ids.append(seq), hiddens.append(h)
         self._extend(reqs, rows, starts, ids, torch.cat(hiddens))
+        if pc is not None:
+            pc.store(end_pages, end_rows, hidden)
 
     def first_forward(self, ctx: SpecContext) -> tuple[torch.Tensor, torch.Tensor]:
         if self.v2:
@@ -162,11 +194,15 @@ class EagleDrafter(ModelDrafter):
         paired with the target's hidden state of the node before it."""
         n = tree.num_nodes
         tokens = tree.tokens.tolist()  # NOTE: one small read; the worker has synchronised already
-        ids, rows_idx = [], []
+        ids, rows_idx, end_pages, end_rows = [], [], [], []
         for b, (path, root) in enumerate(zip(accept_index, new_roots)):
             ids.append([tokens[b][node] for node in path[1:]] + [root])
+            self._page_ends(ctx.reqs[b].row, ctx.kv_lens[b], ctx.kv_lens[b] + len(path), len(rows_idx), end_pages,
+                            end_rows)
             rows_idx += [b * n + node for node in path]
         index = torch.tensor(rows_idx, dtype=torch.int64, device=hidden.device)
+        if self.page_carry is not None:  # (the accepted path, compacted: node path[j] at position L + j)
+            self.page_carry.store(end_pages, end_rows, hidden[index])
         self._extend(ctx.reqs, [r.row for r in ctx.reqs], [L + 1 for L in ctx.kv_lens], ids, hidden[index])
 
     # ---- speculation v2 -----------------------------------------------------------------------------------
@@ -188,12 +224,18 @@ class EagleDrafter(ModelDrafter):
         eng, table = self.engine, self.engine.allocator.req_to_token_host
         n_tok, bs = batch.input_ids.shape[0], len(step.reqs)
         ids, hs, positions, slots, lens, ends, done_rows, done_at, host_roots = [], [], [], [], [], [], [], [], []
+        hit_pages, end_pages, end_rows = [], [], []  # prefix cache: the pages whose carry is read / written
         offset = 0
         for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
             s = req.kv_len
             done = not req.prefilled and s + n >= req.prefill_target
             ids += range(offset, offset + n)
-            hs += [n_tok + i if s > 0 else n_tok + bs] + list(range(offset, offset + n - 1))
+            first = n_tok + i if s > 0 else n_tok + bs  # the row's carry, or zeros
+            if self.page_carry is not None and 0 < s == req.prefix_len:  # the first chunk after a cached prefix
+                first = n_tok + bs + 1 + len(hit_pages)
+                hit_pages.append(self.page_carry.page_of(req.row, s - 1))
+            self._page_ends(req.row, s, s + n, offset, end_pages, end_rows)
+            hs += [first] + list(range(offset, offset + n - 1))
             if done:
                 ids.append(n_tok + i if gets else n_tok + bs + len(host_roots))
                 if not gets:
@@ -208,22 +250,28 @@ class EagleDrafter(ModelDrafter):
                 done_rows.append(req.row), done_at.append(sum(lens) - 1)
             offset += n
         parts = [ids, hs, positions, slots, [r.row for r in step.reqs], ends, np.cumsum(lens) - 1, done_rows, done_at,
-                 host_roots, np.cumsum(step.extend_lens) - 1]
+                 host_roots, np.cumsum(step.extend_lens) - 1, hit_pages]
         packed = upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), eng.device)
         views, at = [], 0
         for p in parts:
             views.append(packed[at: at + len(p)])
             at += len(p)
-        ids_t, hs_t, pos_t, slots_t, rows_t, ends_t, last_t, done_rows_t, done_at_t, host_roots_t, chunk_last = views
+        ids_t, hs_t, pos_t, slots_t, rows_t, ends_t, last_t, done_rows_t, done_at_t, host_roots_t, chunk_last, \
+            hit_pages_t = views
         rows_of_step = rows_t  # [bs]
         token_src = torch.cat([batch.input_ids, sampled.to(torch.int64), host_roots_t])
-        hidden_src = torch.cat([hidden, self.carry[rows_of_step], torch.zeros_like(hidden[:1])])
+        hidden_src = [hidden, self.carry[rows_of_step], torch.zeros_like(hidden[:1])]
+        if hit_pages:
+            hidden_src.append(self.page_carry.states[hit_pages_t].to(hidden.dtype))
+        hidden_src = torch.cat(hidden_src)
         head_batch = ForwardBatch(
             mode=ForwardMode.DRAFT_EXTEND, input_ids=token_src[ids_t], positions=pos_t, out_cache_loc=slots_t,
             req_pool_indices=rows_t, seq_lens=ends_t, seq_lens_cpu=ends, extend_lens_cpu=lens, logits_index=last_t,
             hidden_in=hidden_src[hs_t])
         logits, head_hidden = self.runner.forward(head_batch)
         self.carry[rows_of_step] = hidden[chunk_last]
+        if self.page_carry is not None:
+            self.page_carry.store(end_pages, end_rows, hidden)
         if done_rows:
             pick = torch.searchsorted(last_t, done_at_t)  # the completing requests' rows of logits
             self.root_logits[done_rows_t] = logits[pick]
@@ -247,3 +295,5 @@ class EagleDrafter(ModelDrafter):
         real = (rows != DUMMY_ROW)[:, None]
         self.root_logits[rows] = torch.where(real, logits[pick], self.root_logits[rows])
         self.root_hidden[rows] = torch.where(real, head_hidden[pick], self.root_hidden[rows])
+        if self.page_carry is not None:
+            self.page_carry.store_verified(rows, committed, accept_lens, hidden)

@@ -63,6 +63,7 @@ class MtpDrafter(EagleDrafter):
         a = target.args
         self.head = build_mtp(target, cfg.seed)
         self.own_runner(self.head, 1, a.num_heads, 1, a.head_dim)
+        self.init_page_carry()
         self.reuse_topk = a.index_share_for_mtp_iteration and cfg.topk == 1
         if a.index_share_for_mtp_iteration and cfg.topk > 1:
             log.info("speculative=mtp: indexer top-k reuse is off for topk=%d (tree selection reorders the hidden "
