@@ -4,6 +4,7 @@
     python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
     python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
     python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram --max-tokens 256
+    python3 bench/e2e.py --cases smollm2_random:8 --overlap on --set framework.models.llama.FUSED_MAX_ROWS=8
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -51,6 +52,7 @@ from framework.jobs.generate import generate_items, metrics, read_prompts  # noq
 from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.worker import SpecStats  # noqa: E402
+from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUNDED = ROOT / "bench" / "prompts" / "grounded.jsonl"
 MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random"}
@@ -156,8 +158,10 @@ def main() -> None:
                          "include the profiler's cost)")
     ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
                     help="one engine per drafter (none, ngram, ...) for each model, built in this process")
+    add_set_option(ap)
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
     args = ap.parse_args()
+    apply_sets(ap, args.set)
     if not torch.cuda.is_available():
         raise SystemExit("bench/e2e.py needs a CUDA GPU")
     tokenizer = os.environ.get("TFS_TOKENIZER")

@@ -31,6 +31,8 @@ def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
               "speculative.draft_model=smollm2_135m_random")
     v2 = LLM(cuda_overrides(*common, "speculative.version=v2"))
     assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
+    # an on-device drafter's iteration is one compiled program (framework/speculative/fused_iteration.py)
+    assert (v2.engine.spec_worker._fused is not None) == (drafter == "ngram")
     v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
     assert v1.engine.spec_version == "v1"
     assert outputs(v2, reqs) == outputs(v1, reqs)

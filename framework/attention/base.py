@@ -39,6 +39,14 @@ class AttentionBackend:
     def init_metadata(self, batch: ForwardBatch) -> Any:
         raise NotImplementedError
 
+    def uniform_metadata(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         q_len: int) -> Optional[Any]:
+        """The metadata of a uniform batch of ``q_len`` causal tokens per request (no custom mask) from device
+        tensors alone, so that a compiled program can build it from tensors it computed itself (speculation v2's
+        fused iteration): out_cache_loc ``[bs * q_len]``, req_pool_indices / seq_lens ``[bs]``. None where the
+        backend needs the host (then the caller builds a ForwardBatch for :meth:`init_metadata`)."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any) -> torch.Tensor:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``
         -> ``[num_tokens, num_heads * head_dim]``."""

@@ -105,8 +105,9 @@ class TritonBackend(AttentionBackend):
                 bits = pack_mask_bits(mask)  # the kernel reads only the bool mask's width
             elif mask is not None:
                 mask = mask.to(torch.uint8)
-            return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens, batch.q_len,
-                                  self.policy(batch.q_len), mask, bits)
+            meta = self.uniform_metadata(batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens, batch.q_len)
+            meta.custom_mask, meta.mask_bits = mask, bits
+            return meta
         if batch.custom_mask is not None:
             raise NotImplementedError("attention=triton: EXTEND with a custom mask (masks are for uniform modes)")
         lens = list(batch.extend_lens_cpu)
@@ -117,6 +118,11 @@ class TritonBackend(AttentionBackend):
         return TritonMetadata(batch.out_cache_loc, table, batch.req_pool_indices, batch.seq_lens,
                               batch.extend_width or max(lens),
                               self.policy(1), uniform=False, q_starts=packed[: len(lens)], q_lens=packed[len(lens):])
+
+    def uniform_metadata(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         q_len: int) -> TritonMetadata:
+        return TritonMetadata(out_cache_loc, self.allocator.req_to_token, req_pool_indices, seq_lens, q_len,
+                              self.policy(q_len))
 
     def dynamic_dims(self, meta: TritonMetadata) -> list[tuple[torch.Tensor, int]]:
         dims = [(meta.out_cache_loc, 0), (meta.req_pool_indices, 0), (meta.seq_lens, 0)]

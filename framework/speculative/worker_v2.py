@@ -36,6 +36,7 @@ from framework.request import Request
 from framework.scheduler import ScheduledStep
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
+from framework.speculative.fused_iteration import FusedIteration
 from framework.speculative.token_history import TokenHistory
 from framework.speculative.worker import SpecStats
 from framework.transfer import AsyncCopy, upload
@@ -81,6 +82,8 @@ class SpecV2Worker:
             compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
             self._prepare_fn, self._greedy_fn, self._sampling_fn = map(compile_, (self._prepare, self._finish_greedy,
                                                                                   self._finish_sampling))
+        # prepare, verify and finish as one program where the drafter and the backend allow it
+        self._fused = FusedIteration(self) if FusedIteration.applies(self) else None
 
     # ---- device programs (graph bodies) -----------------------------------------------------------------
     def _prepare(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -192,6 +195,12 @@ class SpecV2Worker:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
+        if self._fused is not None and self._fused.serves(sampling):  # (its drafting time counts as verifying)
+            self._record(events, 1)
+            out = self._fused.run(rows, sampling)
+            self._record(events, 3)
+            self._record(events, 4)
+            return self._launched(step, padded_bs, out, events)
         tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn(rows)
         sampling = dataclasses.replace(sampling, steps=steps)
         draft_probs = None
@@ -219,6 +228,11 @@ class SpecV2Worker:
         if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
             self.drafter.extend_v2(rows, committed, out[padded_bs:].view(padded_bs, q), out[:padded_bs], hidden, bounds)
         self._record(events, 4)
+        return self._launched(step, padded_bs, out, events)
+
+    def _launched(self, step: ScheduledStep, padded_bs: int, out: torch.Tensor,
+                  events: Optional[list[torch.cuda.Event]]) -> SpecLaunched:
+        """The queued iteration, its result on its way to the host."""
         launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
         for req in step.reqs:
             req.spec_inflight += 1
