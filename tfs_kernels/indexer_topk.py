@@ -42,8 +42,9 @@ def _indexer_scores_kernel(
     # (nothing to score), and each score's key adds to the row's first-level histogram (tfs_kernels.radix_select).
     t = tl.program_id(0).to(tl.int64)
     vis = tl.load(Vis_lens + t)
-    if SELECT and vis <= topk:
-        return
+    if SELECT:
+        if vis <= topk:
+            return
     if tl.program_id(1) * BLOCK_N >= vis:
         return
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions

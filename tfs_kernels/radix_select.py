@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-BINS1, BINS2, BINS3 = 2048, 2048, 1024  # key bits [31:21], [20:10], [9:0]
-HIST_WIDTH = BINS1 + BINS2 + BINS3
+BINS1, BINS2, BINS3 = tl.constexpr(2048), tl.constexpr(2048), tl.constexpr(1024)  # key bits [31:21], [20:10], [9:0]
+HIST_WIDTH = 2048 + 2048 + 1024  # int32 per row
 # positions per program of the selection kernels, and their warps: on CUDA (not yet timed), in the interpreter
 # (small, so that the tests' rows span several chunks)
 CUDA_CHUNK, INTERPRET_CHUNK = (2048, 4), (16, 1)
