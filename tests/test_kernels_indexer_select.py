@@ -16,7 +16,7 @@ import torch
 
 from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference, select_topk
-from tfs_kernels.radix_select import HIST_WIDTH, launch_select
+from tfs_kernels.radix_select import HIST_WIDTH, hist_view, launch_select, new_state
 from tests.kernel_checks import run_interpreted
 from tests.test_kernels_nsa import check_indexer, indexer_args
 
@@ -98,10 +98,10 @@ def test_select_on_crafted_scores_interpreted() -> None:
     for seed, (n, width, topk) in enumerate([(6, 80, 16), (4, 50, 1), (5, 33, 32)]):
         scores = tied_scores(n, width, seed)
         vis = (scores != float("-inf")).sum(1)
-        hist = torch.zeros(n, HIST_WIDTH, dtype=torch.int32)
+        state = new_state(n, width, scores.device)
         bins = torch.where(scores != float("-inf"), ikey(scores) >> 21, HIST_WIDTH)
-        hist.scatter_add_(1, bins.clamp(max=HIST_WIDTH - 1), (bins < HIST_WIDTH).int())
-        out = launch_select(scores.clone(), vis, hist, topk)
+        hist_view(state).scatter_add_(1, bins.clamp(max=HIST_WIDTH - 1), (bins < HIST_WIDTH).int())
+        out = launch_select(scores.clone(), vis, state, topk)
         assert torch.equal(out, naive_select(scores, topk))
 
 

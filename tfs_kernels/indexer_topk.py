@@ -27,13 +27,13 @@ from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.online_softmax import dot
-from tfs_kernels.radix_select import HIST_WIDTH, _ikey, launch_select
+from tfs_kernels.radix_select import _hist_row, _ikey, launch_select, new_state
 
 
 @triton.jit
 def _indexer_scores_kernel(
-    Q, W, K_cache, Kv_slots, Req_of_token, Vis_lens, Scores, Hist, scale, topk,
-    stride_qt, stride_qh, stride_wt, stride_ks, stride_req, stride_st, stride_ht,
+    Q, W, K_cache, Kv_slots, Req_of_token, Vis_lens, Scores, State, scale, topk,
+    stride_qt, stride_qh, stride_wt, stride_ks, stride_req, stride_st, stride_s,
     HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, SELECT: tl.constexpr,
 ):
@@ -70,7 +70,7 @@ def _indexer_scores_kernel(
     tl.store(Scores + t * stride_st + j, score, mask=j_ok)
     if SELECT:
         bin = (_ikey(score) >> 21).to(tl.int32)  # [BLOCK_N] first-level bins
-        tl.atomic_add(Hist + t * stride_ht + bin, tl.full([BLOCK_N], 1, tl.int32), mask=j_ok, sem="relaxed")
+        tl.atomic_add(_hist_row(State, t, stride_s) + bin, tl.full([BLOCK_N], 1, tl.int32), mask=j_ok, sem="relaxed")
 
 
 # (BLOCK_N, BLOCK_H cap, num_warps): on CUDA, 64 keys a program and all 64 DeepSeek heads in one block (ptxas,
@@ -116,24 +116,24 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 def launch_indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, kv_slots: torch.Tensor,
                           req_of_token: torch.Tensor, vis_lens: torch.Tensor, scale: float,
-                          hist: Optional[torch.Tensor] = None, topk: int = 0) -> torch.Tensor:
+                          state: Optional[torch.Tensor] = None, topk: int = 0) -> torch.Tensor:
     """The score kernel (inside a triton_op body: through ``wrap_triton``) -> ``[n, width]`` float32. Without
-    ``hist``: every row scored, ``-inf`` past its visible keys. With ``hist`` (``[n, HIST_WIDTH]`` int32, zeroed):
+    ``state``: every row scored, ``-inf`` past its visible keys. With ``state`` (:func:`radix_select.new_state`):
     the selection's first pass, rows that see more than ``topk`` keys only, nothing written past the visible keys."""
     n, heads, dim = q.shape
     width = kv_slots.shape[1]
-    select = hist is not None
+    select = state is not None
     if select:
         scores = torch.empty(n, width, dtype=torch.float32, device=q.device)
     else:
         scores = torch.full((n, width), float("-inf"), dtype=torch.float32, device=q.device)
-        hist = scores  # unused
+        state = scores  # unused
     block_n, max_block_h, num_warps = CUDA_LAUNCH if q.is_cuda else INTERPRET_LAUNCH
     upcast = q.dtype != k_cache.dtype or k_cache.dtype == torch.float32  # mixed dtypes: float32 products
     wrap_triton(_indexer_scores_kernel)[(n, triton.cdiv(width, block_n))](
-        q, weights, k_cache, kv_slots, req_of_token, vis_lens, scores, hist, scale, topk,
+        q, weights, k_cache, kv_slots, req_of_token, vis_lens, scores, state, scale, topk,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), kv_slots.stride(0), scores.stride(0),
-        hist.stride(0), HEADS=heads, DIM=dim, BLOCK_H=min(max_block_h, max(16, triton.next_power_of_2(heads))),
+        state.stride(0), HEADS=heads, DIM=dim, BLOCK_H=min(max_block_h, max(16, triton.next_power_of_2(heads))),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=upcast, IEEE_DOT=upcast, SELECT=select,
         num_warps=num_warps,
     )
@@ -146,9 +146,9 @@ def indexer_topk_op(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     """q ``[n, H, D]``; weights ``[n, H]`` float32; k_cache ``[num_slots, D]``; kv_slots ``[rows, width]`` int64;
     req_of_token / vis_lens ``[n]`` int64 -> ``[n, topk]`` int64 key positions (``-1``: unused)."""
     check_inputs(q, weights, k_cache, kv_slots, req_of_token, vis_lens, topk)
-    hist = torch.zeros(q.shape[0], HIST_WIDTH, dtype=torch.int32, device=q.device)
-    scores = launch_indexer_scores(q, weights, k_cache, kv_slots, req_of_token, vis_lens, scale, hist, topk)
-    return launch_select(scores, vis_lens, hist, topk)
+    state = new_state(q.shape[0], kv_slots.shape[1], q.device)
+    scores = launch_indexer_scores(q, weights, k_cache, kv_slots, req_of_token, vis_lens, scale, state, topk)
+    return launch_select(scores, vis_lens, state, topk)
 
 
 def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, kv_slots: torch.Tensor,
