@@ -68,9 +68,13 @@ def _indexer_scores_kernel(
         logits = dot(q, tl.trans(k), IEEE_DOT) * scale  # [BLOCK_H, BLOCK_N] float32
         score += tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
     tl.store(Scores + t * stride_st + j, score, mask=j_ok)
-    if SELECT:
-        bin = (_ikey(score) >> 21).to(tl.int32)  # [BLOCK_N] first-level bins
-        tl.atomic_add(_hist_row(State, t, stride_s) + bin, tl.full([BLOCK_N], 1, tl.int32), mask=j_ok, sem="relaxed")
+    if SELECT:  # one atomic per distinct bin of the block (scores crowd into few first-level bins)
+        bin = tl.where(j_ok, (_ikey(score) >> 21).to(tl.int32), -1)  # [BLOCK_N] first-level bins
+        same = bin[:, None] == bin[None, :]  # [BLOCK_N, BLOCK_N]
+        r = tl.arange(0, BLOCK_N)
+        count = tl.sum(same.to(tl.int32), 1)
+        first = tl.sum((same & (r[None, :] < r[:, None])).to(tl.int32), 1) == 0  # no earlier key in its bin
+        tl.atomic_add(_hist_row(State, t, stride_s) + bin, count, mask=first & j_ok, sem="relaxed")
 
 
 # (BLOCK_N, BLOCK_H cap, num_warps): on CUDA, 64 keys a program and all 64 DeepSeek heads in one block (ptxas,
