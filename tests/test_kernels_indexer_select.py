@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tfs_kernels.dispatch import interpreter_active
-from tfs_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference, select_topk
+from tfs_kernels.indexer_topk import (indexer_scores_reference, indexer_topk, indexer_topk_reference,
+                                      launch_indexer_scores, select_topk)
 from tfs_kernels.radix_select import HIST_WIDTH, hist_view, launch_select, new_state
 from tests.kernel_checks import run_interpreted
 from tests.test_kernels_nsa import check_indexer, indexer_args
@@ -75,6 +76,15 @@ def test_indexer_topk_lengths_interpreted(page_size: int) -> None:
         args = indexer_args(vis, reqs, heads, dim, 16, page_size, "cpu", torch.float32, seed + page_size, width=160)
         assert torch.equal(indexer_topk(*args), indexer_topk_reference(*args))
         check_indexer(args)
+        # the score kernel's first histogram level (one atomic per distinct bin of a block) counts every key once
+        q, weights, k_cache, table, rows, vis_lens, topk, scale = args
+        state = new_state(len(vis), table.shape[1], q.device)
+        scores = launch_indexer_scores(q, weights, k_cache, table, rows, vis_lens, scale, state, topk)
+        expected = torch.zeros(len(vis), HIST_WIDTH, dtype=torch.int32)
+        for t, v in enumerate(vis):
+            if v > topk:
+                expected[t].scatter_add_(0, ikey(scores[t, :v]) >> 21, torch.ones(v, dtype=torch.int32))
+        assert torch.equal(hist_view(state), expected)
 
 
 @interpreted
