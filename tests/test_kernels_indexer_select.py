@@ -19,7 +19,7 @@ from tfs_kernels.indexer_topk import (indexer_scores_reference, indexer_topk, in
                                       launch_indexer_scores, select_topk)
 from tfs_kernels.radix_select import HIST_WIDTH, hist_view, launch_select, new_state
 from tests.kernel_checks import run_interpreted
-from tests.test_kernels_nsa import check_indexer, indexer_args
+from tests.test_kernels_nsa import check_indexer, check_topk, indexer_args
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -134,8 +134,30 @@ def test_indexer_topk_128k_on_cuda(page_size: int) -> None:
 
 @pytest.mark.gpu
 def test_indexer_topk_exact_ties_on_cuda() -> None:
-    """float32, two heads, one weighted 0: thousands of exact zeros at the cut; the picks equal the reference's."""
-    vis = [20000, 8192, 3000, 2048, 2049]
-    args = list(indexer_args(vis, [0, 1, 2, 0, 1], 2, 128, 2048, 16, "cuda", torch.float32, 3, width=20480))
+    """float32, two heads, one weighted 0: about half the scores are exact zeros and fewer than 2048 positive, so
+    the cut falls among thousands of zeros (the lowest positions win); the picks equal the reference's."""
+    vis = [3000, 3900, 2049, 2600, 3333]
+    args = list(indexer_args(vis, [0, 1, 2, 0, 1], 2, 128, 2048, 16, "cuda", torch.float32, 3, width=4096))
     args[1] = torch.tensor([[1.0, 0.0]], device="cuda").expand(len(vis), 2).contiguous()
     assert torch.equal(indexer_topk(*args), indexer_topk_reference(*args))
+
+
+@pytest.mark.gpu
+def test_indexer_topk_graph_replays_on_cuda() -> None:
+    """One captured CUDA graph replayed with new queries and new visible lengths (the state is zeroed every
+    replay, the chunks' tickets start over): every replay equals the reference."""
+    vis = [40000, 30000, 2048, 9000]
+    args = list(indexer_args(vis, [0, 1, 2, 0], 64, 128, 2048, 64, "cuda", torch.bfloat16, 11, width=40960))
+    q, weights, vis_lens = args[0], args[1], args[5]
+    indexer_topk(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk(*args)
+    gen = torch.Generator().manual_seed(12)
+    for lens in ([40960, 100, 2049, 33000], [5000, 40000, 1, 2048], vis):
+        q.copy_(torch.randn(q.shape, generator=gen).to(q))
+        weights.copy_(torch.randn(weights.shape, generator=gen).to(weights) * 0.125)
+        vis_lens.copy_(torch.tensor(lens))
+        graph.replay()
+        scores = indexer_scores_reference(*args[:6], args[7])
+        check_topk(out.clone(), indexer_topk_reference(*args), scores, exact=False)
