@@ -8,6 +8,7 @@ keys once at the measured copy bandwidth, and at the nominal 4.8 TB/s).
     python bench/bench_nsa.py --configs 1x32768 --page-size 1
     python bench/bench_nsa.py --table-width 163840              # the engine's static req_to_token width
     python bench/bench_nsa.py --score-launch 64,64,4 128,64,8   # score-kernel tiles to compare
+    python bench/bench_nsa.py --select-launch 1024,4 2048,8     # selection chunks (positions, warps) to compare
 
 Times: medians of ``triton.testing.do_bench`` over a CUDA graph of ``repeat`` back-to-back calls (divided by
 ``repeat``); the indexer's calls cycle through copies of the index keys (256 MB in all) so that they read HBM, not
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.bench_attention import copy_bandwidth, time_us  # noqa: E402
 import tfs_kernels.indexer_topk as it  # noqa: E402
 from tfs_kernels.indexer_topk import indexer_topk, indexer_topk_reference, launch_indexer_scores  # noqa: E402
+import tfs_kernels.radix_select as rs  # noqa: E402
 from tfs_kernels.radix_select import new_state  # noqa: E402
 from tfs_kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference  # noqa: E402
 
@@ -103,12 +105,18 @@ def main() -> None:
                     help="req_to_token's static width (default: the context; the engine's is max_context)")
     ap.add_argument("--score-launch", nargs="+", default=[],
                     help="score-kernel tiles to try, BLOCK_N,BLOCK_H,WARPS each (default: the module's)")
+    ap.add_argument("--select-launch", nargs="+", default=[],
+                    help="selection launches to try, CHUNK,WARPS each (default: the module's)")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
-    for launch in args.score_launch or [",".join(map(str, it.CUDA_LAUNCH))]:
-        it.CUDA_LAUNCH = tuple(int(x) for x in launch.split(","))
-        print(f"score tiles (BLOCK_N, BLOCK_H, warps) = {it.CUDA_LAUNCH}, table width {args.table_width or 'context'}")
+    launches = [(a, b) for a in args.score_launch or [",".join(map(str, it.CUDA_LAUNCH))]
+                for b in args.select_launch or [",".join(map(str, rs.CUDA_CHUNK))]]
+    for score_launch, select_launch in launches:
+        it.CUDA_LAUNCH = tuple(int(x) for x in score_launch.split(","))
+        rs.CUDA_CHUNK = tuple(int(x) for x in select_launch.split(","))
+        print(f"score tiles (BLOCK_N, BLOCK_H, warps) = {it.CUDA_LAUNCH}, selection (chunk, warps) = "
+              f"{rs.CUDA_CHUNK}, table width {args.table_width or 'context'}")
         print("bs  context  indexer_us  score_us  sparse_us  nsa_us  dense_us  dense/nsa  indexer/floor  "
               "indexer/4.8TB/s  same_picks")
         for c in args.configs:
