@@ -23,6 +23,12 @@ iteration and the iteration's GPU time from CUDA events (speculation v2).
 - ``smollm2``: the real SmolLM2-135M GGUF, bench/prompts/grounded.jsonl repeated ``--repeat`` times, greedy, each
   prompt's own ``max_tokens`` (requests end at EOS).
 - ``smollm2_random``: SmolLM2's shape with random weights, like ``8b``.
+- ``dsa``: ``dsa_small_random`` (DeepSeek-V3.2's MLA and indexer shapes) with ``attention=nsa``, like ``8b``; with
+  ``--prompt-tokens N`` the random-weight cases' prompts are the grounded text repeated to about N tokens (the row's
+  ``context`` is the measured mean). E.g. index reuse in the MTP draft forward at ~28k tokens, on then off:
+  ``python3 bench/e2e.py --cases dsa:1 --overlap on --speculative mtp --prompt-tokens 28000 --new-tokens 64 --
+  scheduler.max_context=40960 'compile.batch_sizes=[1]' model.index_share_for_mtp_iteration=true`` (then ``=false``):
+  ``gpu_ms_per_iteration`` times ``draft_time_share`` is the draft forward's GPU time.
 
 About 1-2 minutes per 8B case (compilation included) and 30 s per SmolLM2 case on an H200.
 """
@@ -55,16 +61,24 @@ from framework.speculative.worker import SpecStats  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUNDED = ROOT / "bench" / "prompts" / "grounded.jsonl"
-MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random"}
+MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random",
+          "dsa": "dsa_small_random"}
+ATTENTION = {"dsa": "nsa"}  # the attention backend of each model (default: triton)
 DEFAULT_CASES = ["8b:1", "8b:8", "8b:64", "smollm2:1", "smollm2:8"]
 
 
-def case_items(model: str, batch: int, new_tokens: int, repeat: int, max_tokens: int = 0) -> list[dict]:
+def case_items(model: str, batch: int, new_tokens: int, repeat: int, max_tokens: int = 0,
+               prompt_tokens: int = 0) -> list[dict]:
+    n = max(8, batch)
     prompts = read_prompts(str(GROUNDED))
+    if prompt_tokens and model != "smollm2":  # a long context: the grounded prompts' text, repeated (~4 chars/token)
+        text = " ".join(p.get("prompt") or p["messages"][-1]["content"] for p in prompts if isinstance(p, dict))
+        text = text * (4 * prompt_tokens // len(text) + 2)
+        return [{"id": i, "prompt": text[7 * i:7 * i + 4 * prompt_tokens], "max_tokens": new_tokens,
+                 "ignore_eos": True} for i in range(n)]
     if model == "smollm2":
         fixed = {"max_tokens": max_tokens} if max_tokens else {}
         return [dict(p, id=f"{p['id']}-{r}", **fixed) for r in range(repeat) for p in prompts]
-    n = max(8, batch)
     return [dict(prompts[i % len(prompts)], id=i, max_tokens=new_tokens, ignore_eos=True) for i in range(n)]
 
 
@@ -92,13 +106,13 @@ def decode_forward_ms(engine: Engine, batch: int, context: int, reps: int = 50) 
 
 
 def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
-    return Engine(compose([f"model={MODELS[name]}", "attention=triton", f"scheduler.max_running_requests={max_batch}",
+    return Engine(compose([f"model={MODELS[name]}", f"attention={ATTENTION.get(name, 'triton')}", f"scheduler.max_running_requests={max_batch}",
                            "run.progress=false", *extra]))
 
 
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
-             profile: int = 0, max_tokens: int = 0) -> dict:
-    items = case_items(name, batch, new_tokens, repeat, max_tokens)
+             profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0) -> dict:
+    items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens)
     engine.scheduler.cfg.max_running_requests = batch
     engine.overlap = overlap == "on"
     engine.stats = EngineStats()
@@ -152,6 +166,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4, help="copies of the grounded prompts for the smollm2 cases")
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="smollm2 cases: max_tokens of every request (default: each prompt's own)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="random-weight cases: prompts of this many random token ids (default: the grounded prompts)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run each job under cProfile and print its top N host functions (the job's numbers then "
@@ -177,7 +193,7 @@ def main() -> None:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
                 rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
-                                     args.profile, args.max_tokens))
+                                     args.profile, args.max_tokens, args.prompt_tokens))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del engine
         torch.cuda.empty_cache()

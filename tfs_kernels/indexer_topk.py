@@ -6,14 +6,19 @@ Each query token ``t`` scores every key position ``j`` its request has cached (`
     score[t, j] = sum_h weights[t, h] * relu(scale * q[t, h] . k_cache[kv_slots[req_of_token[t], j]]),
 
 in float32, and keeps the positions (not slots) of the ``topk`` best; the sparse MLA attention
-(:mod:`tfs_kernels.sparse_mla`) then reads only those. The Triton kernel computes the score matrix
-``[n, width]`` (one program per token and block of key positions: the block's keys are loaded once for all heads,
-which loop in blocks of ``BLOCK_H``; invisible positions score ``-inf``); the selection is ``torch.topk`` in the
-op's body, then a sort into the canonical order that :func:`select_topk` defines, shared with the reference. Every
-shape is static given ``(n, H, D, width, topk)``, with no host sync: the op runs inside CUDA graphs.
+(:mod:`tfs_kernels.sparse_mla`) then reads only those. Work is bounded by each token's ``vis_lens``, not the
+table's static width: a token that sees at most ``topk`` keys selects them all and scores nothing; otherwise the
+score kernel (one program per token and block of key positions: the block's keys are loaded once for all heads,
+which loop in blocks of ``BLOCK_H``) reads each visible key once, writes its float32 score and counts it in the
+row's first radix histogram, and :mod:`tfs_kernels.radix_select` finds the exact top ``topk`` in a few passes over
+the scores (no sort). Output: positions ascending, then ``-1``; exact ties at the cut go to the lower positions
+(:func:`select_topk`, the reference, defines the same). Every shape is static given ``(n, H, D, width, topk)``,
+with no host sync: the op runs inside CUDA graphs.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -22,21 +27,30 @@ from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.online_softmax import dot
+from tfs_kernels.radix_select import _hist_row, _ikey, launch_select, new_state
 
 
 @triton.jit
 def _indexer_scores_kernel(
-    Q, W, K_cache, Kv_slots, Req_of_token, Vis_lens, Scores, scale, width,
-    stride_qt, stride_qh, stride_wt, stride_ks, stride_req, stride_st,
+    Q, W, K_cache, Kv_slots, Req_of_token, Vis_lens, Scores, State, scale, topk,
+    stride_qt, stride_qh, stride_wt, stride_ks, stride_req, stride_st, stride_s,
     HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, SELECT: tl.constexpr,
 ):
-    # grid: (n, cdiv(width, BLOCK_N)); program (t, nb): token t, key positions [nb * BLOCK_N, (nb + 1) * BLOCK_N)
+    # grid: (n, cdiv(width, BLOCK_N)); program (t, nb): token t, key positions [nb * BLOCK_N, (nb + 1) * BLOCK_N).
+    # Only visible positions are read and written. SELECT: a row that sees at most topk keys selects them all
+    # (nothing to score), and each score's key adds to the row's first-level histogram (tfs_kernels.radix_select).
     t = tl.program_id(0).to(tl.int64)
+    vis = tl.load(Vis_lens + t)
+    if SELECT:
+        if vis <= topk:
+            return
+    if tl.program_id(1) * BLOCK_N >= vis:
+        return
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     scale = tl.cast(scale, tl.float32)  # inductor passes float scalars as fp64
     row = tl.load(Req_of_token + t)
-    j_ok = j < tl.load(Vis_lens + t)
+    j_ok = j < vis
     slot = tl.load(Kv_slots + row * stride_req + j, mask=j_ok, other=0)  # [BLOCK_N] int64
     d = tl.arange(0, BLOCK_D)
     d_ok = d < DIM
@@ -53,7 +67,14 @@ def _indexer_scores_kernel(
         w = tl.load(W + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)  # [BLOCK_H]; 0 for padding heads
         logits = dot(q, tl.trans(k), IEEE_DOT) * scale  # [BLOCK_H, BLOCK_N] float32
         score += tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
-    tl.store(Scores + t * stride_st + j, tl.where(j_ok, score, float("-inf")), mask=j < width)
+    tl.store(Scores + t * stride_st + j, score, mask=j_ok)
+    if SELECT:  # one atomic per distinct bin of the block (scores crowd into few first-level bins)
+        bin = tl.where(j_ok, (_ikey(score) >> 21).to(tl.int32), -1)  # [BLOCK_N] first-level bins
+        same = bin[:, None] == bin[None, :]  # [BLOCK_N, BLOCK_N]
+        r = tl.arange(0, BLOCK_N)
+        count = tl.sum(same.to(tl.int32), 1)
+        first = tl.sum((same & (r[None, :] < r[:, None])).to(tl.int32), 1) == 0  # no earlier key in its bin
+        tl.atomic_add(_hist_row(State, t, stride_s) + bin, count, mask=first & j_ok, sem="relaxed")
 
 
 # (BLOCK_N, BLOCK_H cap, num_warps): on CUDA, 64 keys a program and all 64 DeepSeek heads in one block (ptxas,
@@ -84,11 +105,12 @@ def check_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores ``[n, width]`` float32 (``-inf``: invisible) -> ``[n, topk]`` int64: the positions of the ``topk``
     best visible scores of each row (all visible positions when fewer), ascending, then ``-1`` for unused
-    entries. Static shapes, no host sync."""
+    entries. Ties at the cut (exactly equal scores) go to the lower positions, as in the kernel. Static shapes, no
+    host sync."""
     n, width = scores.shape
     k = min(topk, width)
-    values, picked = scores.topk(k, dim=1, sorted=False)
-    picked = torch.where(values == float("-inf"), width, picked)  # unused entries sort last
+    order = scores.sort(dim=1, descending=True, stable=True)  # equal scores keep position order
+    picked = torch.where(order.values[:, :k] == float("-inf"), width, order.indices[:, :k])  # unused: sort last
     picked = picked.sort(dim=1).values
     picked = torch.where(picked == width, -1, picked)
     if k < topk:
@@ -97,18 +119,27 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def launch_indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, kv_slots: torch.Tensor,
-                          req_of_token: torch.Tensor, vis_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The score kernel (inside a triton_op body: through ``wrap_triton``) -> ``[n, width]`` float32."""
+                          req_of_token: torch.Tensor, vis_lens: torch.Tensor, scale: float,
+                          state: Optional[torch.Tensor] = None, topk: int = 0) -> torch.Tensor:
+    """The score kernel (inside a triton_op body: through ``wrap_triton``) -> ``[n, width]`` float32. Without
+    ``state``: every row scored, ``-inf`` past its visible keys. With ``state`` (:func:`radix_select.new_state`):
+    the selection's first pass, rows that see more than ``topk`` keys only, nothing written past the visible keys."""
     n, heads, dim = q.shape
     width = kv_slots.shape[1]
-    scores = torch.empty(n, width, dtype=torch.float32, device=q.device)
+    select = state is not None
+    if select:
+        scores = torch.empty(n, width, dtype=torch.float32, device=q.device)
+    else:
+        scores = torch.full((n, width), float("-inf"), dtype=torch.float32, device=q.device)
+        state = scores  # unused
     block_n, max_block_h, num_warps = CUDA_LAUNCH if q.is_cuda else INTERPRET_LAUNCH
     upcast = q.dtype != k_cache.dtype or k_cache.dtype == torch.float32  # mixed dtypes: float32 products
     wrap_triton(_indexer_scores_kernel)[(n, triton.cdiv(width, block_n))](
-        q, weights, k_cache, kv_slots, req_of_token, vis_lens, scores, scale, width,
+        q, weights, k_cache, kv_slots, req_of_token, vis_lens, scores, state, scale, topk,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), kv_slots.stride(0), scores.stride(0),
-        HEADS=heads, DIM=dim, BLOCK_H=min(max_block_h, max(16, triton.next_power_of_2(heads))), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=upcast, IEEE_DOT=upcast, num_warps=num_warps,
+        state.stride(0), HEADS=heads, DIM=dim, BLOCK_H=min(max_block_h, max(16, triton.next_power_of_2(heads))),
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=upcast, IEEE_DOT=upcast, SELECT=select,
+        num_warps=num_warps,
     )
     return scores
 
@@ -119,8 +150,9 @@ def indexer_topk_op(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tenso
     """q ``[n, H, D]``; weights ``[n, H]`` float32; k_cache ``[num_slots, D]``; kv_slots ``[rows, width]`` int64;
     req_of_token / vis_lens ``[n]`` int64 -> ``[n, topk]`` int64 key positions (``-1``: unused)."""
     check_inputs(q, weights, k_cache, kv_slots, req_of_token, vis_lens, topk)
-    scores = launch_indexer_scores(q, weights, k_cache, kv_slots, req_of_token, vis_lens, scale)
-    return select_topk(scores, topk)
+    state = new_state(q.shape[0], kv_slots.shape[1], q.device)
+    scores = launch_indexer_scores(q, weights, k_cache, kv_slots, req_of_token, vis_lens, scale, state, topk)
+    return launch_select(scores, vis_lens, state, topk)
 
 
 def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, kv_slots: torch.Tensor,
