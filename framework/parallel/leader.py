@@ -77,6 +77,7 @@ class TPLeader:
         self.header: Optional[HeaderChannel] = None
         self.group: Any = None
         self._watchdog: Optional[threading.Thread] = None
+        self._threads: Optional[int] = None  # CPU: rank 0's torch threads before the ranks shared the cores
         atexit.register(self.close)
 
     # ---- start-up ------------------------------------------------------------------------------------------
@@ -107,6 +108,9 @@ class TPLeader:
             child.close()
             procs.append(proc), conns.append(parent)
         leader = cls(config, procs, conns)
+        if device.type == "cpu":  # N processes share the cores (the other ranks take their share likewise)
+            leader._threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, leader._threads // n))
         try:
             leader._await_loaded()
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -250,3 +254,5 @@ class TPLeader:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - after a failure the groups may be half gone
                 pass
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
