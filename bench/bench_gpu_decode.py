@@ -80,6 +80,7 @@ def time_engine(model: str, mode: str, bs: int, context: int, steps: int, extra:
     for req in list(engine.scheduler.running):
         engine.abort(req.rid)
     engine.allocator.assert_all_free()
+    engine.close()  # (tensor parallelism: the other ranks)
     return {"forward_ms": statistics.median(forward_ms), "step_ms": statistics.median(step_ms),
             "startup_s": engine.startup_s}
 
