@@ -227,7 +227,7 @@ class TPLeader:
         if self.group is None or dist.get_backend(self.group) != "nccl":
             return
         try:
-            self.group._get_backend(torch.device("cuda")).abort()
+            self.group.abort()
         except Exception as err:  # noqa: BLE001 - best effort: the exit after parallel.timeout_s still comes
             log.warning("could not abort the NCCL group: %s", err)
 

@@ -53,8 +53,13 @@ def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
     return rank // (size // num_kv_heads), 1
 
 
+def _own(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy (never a view: the whole weight's storage must be freed)."""
+    return weight.clone(memory_format=torch.contiguous_format)
+
+
 def _keep(linear: nn.Linear, weight: torch.Tensor) -> None:
-    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    linear.weight = nn.Parameter(_own(weight), requires_grad=False)
     linear.out_features, linear.in_features = weight.shape
 
 
@@ -86,7 +91,7 @@ def shard_llama(model: Any, rank: int, size: int, group: Any) -> None:
         attn.split = (heads * d, kv_heads * d, kv_heads * d)
         attn.tp = mlp.tp = info
     rows = slice(rank * vocab, (rank + 1) * vocab)
-    embed = model.embed_tokens.weight[rows].contiguous()
+    embed = _own(model.embed_tokens.weight[rows])
     model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
     model.embed_tokens.num_embeddings = vocab
     if a.tie_word_embeddings:

@@ -57,6 +57,12 @@ def worker_main(config: Any, rank: int, size: int, port: int, conn: Any) -> None
         conn.close()
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
+    try:  # inductor's compile workers, which os._exit would leave to the resource tracker
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    except Exception:  # noqa: BLE001 - (older or newer torch without it)
+        pass
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # NOTE: skips interpreter teardown, where compiled-code threads have aborted the process
 
