@@ -59,6 +59,7 @@ def first_line(err: BaseException) -> str:
 def hydra_main(cfg: DictConfig) -> int:
     from framework.jobs import JOBS
     from framework.models import ModelNotInstalled, WeightsError
+    from framework.parallel import TensorParallelError
 
     try:
         config = to_config(cfg)
@@ -71,6 +72,8 @@ def hydra_main(cfg: DictConfig) -> int:
         return job_failed(f"config error: {err}")
     # a missing package, weights file, tokenizer or prompts file, or weights that are not what they claim to be
     except (ModelNotInstalled, WeightsError, OSError) as err:
+        return job_failed(f"error: {first_line(err)}")
+    except TensorParallelError as err:  # a rank died or hung: the engine is down
         return job_failed(f"error: {first_line(err)}")
 
 

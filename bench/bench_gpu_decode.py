@@ -112,6 +112,7 @@ def time_engine(model: str, mode: str, batches: list[int], context: int, steps: 
         engine.abort(req.rid)
     engine.drain()
     engine.allocator.assert_all_free()
+    engine.close()  # (tensor parallelism: the other ranks)
     return out
 
 

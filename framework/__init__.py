@@ -25,5 +25,9 @@ class LLM:
         items = [{"prompt": r} if isinstance(r, str) else r for r in requests]
         return self.engine.generate(items)
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (``parallel.tensor_parallel_size > 1``; also done at exit)."""
+        self.engine.close()
+
 
 __all__ = ["LLM"]

@@ -16,6 +16,7 @@ from framework.detokenizer import IncrementalDetokenizer
 from framework.kv import KVAllocator
 from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
+from framework.parallel.leader import TPLeader, check_parallel
 from framework.request import Request, RequestOutput
 from framework.resolve import resolve_device, resolve_dtype, resolve_overlap, resolve_pdl
 from framework.sampling import RequestError, SamplingParams, sample
@@ -65,8 +66,19 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.tp: Optional[TPLeader] = None  # tensor parallelism: rank 0's side (the engine starts the other ranks)
+        tp_size = check_parallel(config, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
+        if tp_size > 1:  # the other ranks load it too; every rank keeps its slices
+            self.tp = TPLeader.start(config, self.model, self.device)
+        try:
+            self._build(config, t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: Config, t0: float) -> None:
         args = self.model.args
         sc, spec = config.scheduler, config.speculative
         # NOTE: speculation writes up to spec_width positions past a request's committed length, so the
@@ -89,16 +101,24 @@ class Engine:
         self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
                                      self.max_context + self.spec_width, self.device, config.kv.prefix_cache)
         self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
-        self.backend = build_backend(config.attention.name, self.pool, self.allocator, args)
+        attention_args = getattr(self.model, "attention_args", args)  # (a tensor-parallel rank's share of heads)
+        self.backend = build_backend(config.attention.name, self.pool, self.allocator, attention_args)
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
         pdl = resolve_pdl(config.compile.pdl, self.device)
         compile_extend = compiled and self.device.type == "cuda" and config.compile.prefill and \
             self.backend.compiles_extend
-        self.runner = ModelRunner(self.model, self.backend, compiled, batch_sizes + [sc.max_running_requests],
-                                  self.device, config.compile.skip_guards, pdl, compile_extend,
-                                  config.compile.prefill_graph_tokens if compile_extend else 0)
+        runner_settings = dict(compiled=compiled, batch_sizes=batch_sizes + [sc.max_running_requests],
+                               skip_guards=config.compile.skip_guards, pdl=pdl, compile_extend=compile_extend,
+                               extend_graph_tokens=config.compile.prefill_graph_tokens if compile_extend else 0)
+        self.runner = ModelRunner(self.model, self.backend, device=self.device, **runner_settings)
+        if self.tp is not None:  # the other ranks build the same pool (their KV heads) and runner, then follow
+            self.tp.setup(dict(num_tokens=num_tokens, page_size=config.kv.page_size,
+                               max_requests=sc.max_running_requests, width=self.max_context + self.spec_width,
+                               rope_positions=self.max_context + self.spec_width, attention=config.attention.name,
+                               **runner_settings))
+            self.runner.tp = self.tp
         eos = set(config.model.eos_token_ids) or {self.tokenizer.eos_token_id}
         self.eos_ids = {e for e in eos if e is not None}
         self.scheduler = Scheduler(sc, self.allocator, self.eos_ids, self.new_detokenizer, self.device,
@@ -125,11 +145,17 @@ class Engine:
             self.spec_worker.warmup()
         self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready in %.1fs: %s on %s/%s, %d KV slots, page_size %d, prefix_cache=%s, compile=%s, "
-                 "overlap=%s%s", self.startup_s, config.model.name, self.device, self.dtype, self.allocator.num_slots,
+        log.info("engine ready in %.1fs: %s on %s/%s%s, %d KV slots, page_size %d, prefix_cache=%s, compile=%s, "
+                 "overlap=%s%s", self.startup_s, config.model.name, self.device, self.dtype,
+                 f", tensor_parallel_size={self.tp.size}" if self.tp is not None else "", self.allocator.num_slots,
                  config.kv.page_size, "on" if config.kv.prefix_cache else "off",
                  "reduce_overhead" if compiled else "eager", "on" if self.overlap else "off",
                  f", speculative={spec.name} {self.spec_version}" if self.spec_version else "")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do for one process); the engine cannot run afterwards."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests -------------------------------------------------------------------------------------
     def detokenize(self, ids: list[int]) -> str:

@@ -76,6 +76,9 @@ class ModelRunner:
         if device.type == "cuda":
             torch._dynamo.mark_static_address(self.next_tokens)  # read inside graphs, written outside them
             torch._dynamo.mark_static_address(self.req_to_token)  # (a graph that mutates a plain input is skipped)
+        # tensor parallelism, rank 0 (framework/parallel/leader.py): every forward and K/V copy is broadcast to the
+        # other ranks first; None: one process (and on the other ranks, which follow)
+        self.tp: Any = None
         self._compiled_forward = None
         self._compiled_extend = None  # EXTEND (ragged prefill): inductor with dynamic sizes, no CUDA graphs
         if compiled:
@@ -242,8 +245,29 @@ class ModelRunner:
 
         In uniform modes ``batch.logits_index`` must select every token (rows in token order). ``new_step=False``:
         the forward belongs to the caller's CUDA-graph step (outputs of graphs replayed since the caller marked it
-        stay valid; speculation v2 marks one step per iteration).
+        stay valid; speculation v2 marks one step per iteration). Tensor-parallel (rank 0): the batch goes to the
+        other ranks first, with its future-token placeholders resolved here (they do not hold ``next_tokens``).
         """
+        if self.tp is None:
+            return self._forward_batch(batch, layer_ids, new_step)
+        return self.tp.run(self._forward_tp, batch, layer_ids, new_step)
+
+    def _forward_tp(self, batch: ForwardBatch, layer_ids: Any, new_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self.tp.send_forward(batch, resolve_future_tokens(batch.input_ids, self.next_tokens), self.req_to_token,
+                             layer_ids)
+        return self._forward_batch(batch, layer_ids, new_step)
+
+    @torch.inference_mode()
+    def copy_kv(self, index: torch.Tensor) -> None:
+        """Copy K/V of every layer from slots ``index[0]`` to slots ``index[1]`` (``[2, n]``; every rank's shard)."""
+        if self.tp is not None:
+            self.tp.run(self.tp.send_copy_kv, index)
+        pool = self.backend.pool
+        for layer in range(pool.num_layers):
+            pool.k[layer][index[1]] = pool.k[layer][index[0]]
+            pool.v[layer][index[1]] = pool.v[layer][index[0]]
+
+    def _forward_batch(self, batch: ForwardBatch, layer_ids: Any, new_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         # a staged batch's new slots: written inside the forward where the backend reads the table there, else
         # now, before its metadata gathers from the table

@@ -8,6 +8,7 @@ from framework.config.schema import (
     Config,
     KVConfig,
     ModelConfig,
+    ParallelConfig,
     RunConfig,
     SamplingConfig,
     SchedulerConfig,
@@ -17,6 +18,6 @@ from framework.config.schema import (
 
 __all__ = [
     "ArchConfig", "AttentionConfig", "CompileConfig", "Config", "ConfigError", "CONF_DIR", "KVConfig",
-    "ModelConfig", "RunConfig", "SamplingConfig", "SchedulerConfig", "SpeculativeConfig", "compose",
+    "ModelConfig", "ParallelConfig", "RunConfig", "SamplingConfig", "SchedulerConfig", "SpeculativeConfig", "compose",
     "describe_hydra_error", "register_schemas", "to_config", "validate",
 ]

@@ -113,6 +113,10 @@ def validate(config: Config) -> None:
                    f"the synchronous loop)")
         _check("scheduler.mixed_prefill", sc.mixed_prefill, not sc.mixed_prefill,
                f"false with speculative={config.speculative.name} (verify steps do not take prefill chunks)")
+    par = config.parallel
+    _check("parallel.tensor_parallel_size", par.tensor_parallel_size,
+           isinstance(par.tensor_parallel_size, int) and par.tensor_parallel_size >= 1, "an integer >= 1")
+    _check("parallel.timeout_s", par.timeout_s, par.timeout_s > 0, "a number of seconds > 0")
     _choice("run.name", config.run.name, JOBS.names())
     _choice("log_level", config.log_level, ["DEBUG", "INFO", "WARNING", "ERROR"])
 

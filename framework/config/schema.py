@@ -152,6 +152,17 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism: the model's heads, MLP and vocabulary split over ``tensor_parallel_size`` processes (one
+    per device; the engine starts the others itself), rank 0 scheduling and the others following its batches."""
+
+    tensor_parallel_size: int = 1  # 1: one process, no collectives
+    # seconds a collective may wait for the other ranks before the engine fails (a hung, not a dead, rank; a rank
+    # that dies is noticed at once)
+    timeout_s: float = 300.0
+
+
+@dataclass
 class RunConfig:
     name: str = "generate"
     prompts_file: Optional[str] = None
@@ -174,6 +185,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     log_level: str = "INFO"
 
@@ -186,6 +198,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "sampling": SamplingConfig,
     "speculative": SpeculativeConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
     "run": RunConfig,
 }
 

@@ -137,30 +137,33 @@ def run_generate(config: Config) -> int:
     run = config.run
     check_paths(run)
     engine = Engine(config)
-    items: list[dict[str, Any] | str] = read_prompts(run.prompts_file) if run.prompts_file else list(SAMPLE_PROMPTS)
-    outputs = generate_items(engine, items, run.progress)
-    if run.output_file:  # NOTE: backslashreplace: an id holding a lone surrogate must not lose the whole file
-        with open(run.output_file, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    try:
+        items: list[dict[str, Any] | str] = read_prompts(run.prompts_file) if run.prompts_file else list(SAMPLE_PROMPTS)
+        outputs = generate_items(engine, items, run.progress)
+        if run.output_file:  # NOTE: backslashreplace: an id holding a lone surrogate must not lose the whole file
+            with open(run.output_file, "w", encoding="utf-8", errors="backslashreplace") as fh:
+                for out in outputs:
+                    fh.write(json.dumps(out.to_json(), ensure_ascii=False) + "\n")
+        elif not run.prompts_file:
+            for item, out in zip(items, outputs):
+                prompt = item.get("prompt") or item["messages"][-1]["content"]  # type: ignore[union-attr]
+                print(f"\n### {prompt}\n{out.text}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+        else:
             for out in outputs:
-                fh.write(json.dumps(out.to_json(), ensure_ascii=False) + "\n")
-    elif not run.prompts_file:
-        for item, out in zip(items, outputs):
-            prompt = item.get("prompt") or item["messages"][-1]["content"]  # type: ignore[union-attr]
-            print(f"\n### {prompt}\n{out.text}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
-    else:
-        for out in outputs:
-            print(json.dumps(out.to_json(), ensure_ascii=False))
-    summary = metrics(engine, outputs)
-    job_dir = hydra_job_dir()
-    for path in filter(None, [run.metrics_file, job_dir and job_dir / "metrics.json"]):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
-    errors = sum(o.finish_reason == "error" for o in outputs)
-    spec = "mean_accept_len" in summary
-    print(f"\n{'requests':>10} {'errors':>7} {'out tokens':>11} {'wall s':>8} {'tokens/s':>9} {'startup s':>10}"
-          + (f"{'accept len':>11}" if spec else ""))
-    print(f"{summary['num_requests']:>10} {errors:>7} {summary['num_output_tokens']:>11} {summary['wall_s']:>8.2f} "
-          f"{summary['tokens_per_s']:>9.1f} {summary['startup_s']:>10.1f}"
-          + (f"{summary['mean_accept_len']:>11.2f}" if spec else ""))
-    engine.allocator.assert_all_free()
-    return 0
+                print(json.dumps(out.to_json(), ensure_ascii=False))
+        summary = metrics(engine, outputs)
+        job_dir = hydra_job_dir()
+        for path in filter(None, [run.metrics_file, job_dir and job_dir / "metrics.json"]):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+        errors = sum(o.finish_reason == "error" for o in outputs)
+        spec = "mean_accept_len" in summary
+        print(f"\n{'requests':>10} {'errors':>7} {'out tokens':>11} {'wall s':>8} {'tokens/s':>9} {'startup s':>10}"
+              + (f"{'accept len':>11}" if spec else ""))
+        print(f"{summary['num_requests']:>10} {errors:>7} {summary['num_output_tokens']:>11} {summary['wall_s']:>8.2f} "
+              f"{summary['tokens_per_s']:>9.1f} {summary['startup_s']:>10.1f}"
+              + (f"{summary['mean_accept_len']:>11.2f}" if spec else ""))
+        engine.allocator.assert_all_free()
+        return 0
+    finally:
+        engine.close()  # (the tensor-parallel ranks, if any)

@@ -5,6 +5,7 @@ requests; attention goes through the configured backend, which reads ``meta`` fo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.kv.pool import KVPool
+from framework.parallel.comm import all_reduce, embed_vocab, gather_vocab
 from tfs_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tfs_kernels.gemv import gemv
 from tfs_kernels.lm_head import lm_head
@@ -99,9 +101,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
         self.split = (q_size, kv_size, kv_size)
         self.backend: Any = None  # set by the model runner
+        self.tp: Any = None  # tensor parallelism: this rank's TPInfo (heads and sizes above are its share)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
+        out = self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
+        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
 
     def attend(self, qkv: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
@@ -121,10 +125,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)  # fused gate | up
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.tp: Any = None  # tensor parallelism: this rank's TPInfo (its share of the intermediate columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
 
 
 class DecoderLayer(nn.Module):
@@ -138,19 +144,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
-        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py)."""
+        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py). Tensor-parallel: o_proj's and
+        down_proj's partial products are all-reduced before the residual add (not fused into their gemv)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
+            tp = mlp.tp
             norm = self.input_layernorm
             out = attn.backend.forward_projection(x, attn.qkv_proj.weight, norm.weight, norm.eps, rope, attn.layer_id,
                                                   meta)
             if out is None:  # the backend does not fuse the projection: tfs::gemv, then RoPE and attention
                 qkv = gemv(x, attn.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, pdl=pdl)
                 out = attn.attend(qkv, rope, meta)
-            x = gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
+            if tp is None:
+                x = gemv(out, attn.o_proj.weight, residual=x, pdl=pdl)
+            else:
+                x = x + all_reduce(gemv(out, attn.o_proj.weight, pdl=pdl), tp)
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps, pdl=pdl)
-            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
+            if tp is None:
+                return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
+            return x + all_reduce(gemv(h, mlp.down_proj.weight, silu_mul=True, pdl=pdl), tp)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -169,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = True  # compiled decode-sized batches on CUDA use tfs::gemv (see DecoderLayer.forward)
         self.pdl = False  # ... launched with programmatic dependent launch (set by the model runner: compile.pdl)
+        # tensor parallelism (framework/parallel/shard.py): this rank's TPInfo; embed_tokens / lm_head then hold its
+        # vocabulary rows, each layer its heads and intermediate columns; ``args`` keep the whole model's sizes
+        self.tp: Any = None
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -187,8 +203,16 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:
         """The paged K/V pool this model's layers attend over."""
-        a = self.args
+        a = self.attention_args
         return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, dtype, device)
+
+    @property
+    def attention_args(self) -> LlamaArgs:
+        """``args`` with the head counts this rank's attention runs (all of them without tensor parallelism)."""
+        if self.tp is None:
+            return self.args
+        attn = self.layers[0].self_attn
+        return dataclasses.replace(self.args, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:
@@ -200,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
         ``[n, hidden]`` of every token. ``layer_ids`` runs a subset of the layers (self-speculative drafting). The
         fused path (compiled, uniform batches) computes every row's logits: there ``logits_index`` is every token in
         order (ModelRunner pads it so)."""
-        x = self.embed_tokens(input_ids)  # [n, hidden]
+        tp = self.tp
+        # [n, hidden]
+        x = self.embed_tokens(input_ids) if tp is None else embed_vocab(self.embed_tokens.weight, input_ids, tp)
         rope = rope_at(self.rope_cos, self.rope_sin, positions)
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
         # NOTE: only in compiled CUDA graphs, where a kernel launch costs nothing on the host: eagerly, a Python
@@ -214,8 +240,10 @@ class LlamaForCausalLM(nn.Module):
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
             torch._check(logits_index.shape[0] == x.shape[0], lambda: "fused lm_head: logits of every row only")
-            return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
+            logits, hidden = lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
+            return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
-        return logits.float(), hidden
+        logits = logits.float()  # [m, vocab] (tensor-parallel: [m, vocab / N], this rank's rows, then gathered)
+        return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)

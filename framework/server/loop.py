@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from framework.parallel import TensorParallelError
 from framework.request import Request
 from framework.sampling import RequestError
 from framework.server.metrics import ServerMetrics
@@ -99,6 +100,9 @@ class EngineLoop:
         self._ready = threading.Event()
         self._dead = False
         self._startup_error: Optional[BaseException] = None
+        # an error that took the engine down (a tensor-parallel rank died): the loop ends and on_fatal is called
+        self.fatal_error: Optional[BaseException] = None
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # NOTE: one thread, so the tokenizer's Python-side state is never used by two encodes at once
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -180,10 +184,15 @@ class EngineLoop:
                     self._publish()
                     self._flush()
                 self._update_load()
+        except TensorParallelError as err:  # the engine is down: fail what is live, then tell the server
+            log.error("%s", err)
+            self.fatal_error = err
         except BaseException:
             log.exception("the engine loop failed")
         finally:
             self._shutdown()
+            if self.fatal_error is not None and self.on_fatal is not None:
+                self.on_fatal(self.fatal_error)
 
     def _take_commands(self, block: bool) -> bool:
         """Handle every queued command (waiting for one if ``block``); False once asked to stop."""
@@ -220,6 +229,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             self.engine.step()
+        except TensorParallelError:
+            raise
         except Exception:  # noqa: BLE001 - every accepted request still gets an answer
             log.exception("engine step failed; failing its %d live requests", len(self._live))
             self._fail_all(APIError("the engine failed while generating; see the server log", status=500,
@@ -297,3 +308,5 @@ class EngineLoop:
             if kind == "submit":
                 self._outbox.add(payload, Event("error", error=stopping))
         self._flush()
+        if self.engine is not None:
+            self.engine.close()

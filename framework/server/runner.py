@@ -66,6 +66,7 @@ def serve(config: Config) -> None:
                                                     f"http://{shown}:{port}/v1 ({auth})"), daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises the signal it handled after shutting down
+    loop.on_fatal = lambda err: setattr(server, "should_exit", True)  # the engine is down: stop serving
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # the Ctrl-C or SIGTERM that uvicorn handled: it has shut down cleanly
@@ -73,6 +74,8 @@ def serve(config: Config) -> None:
     finally:
         loop.stop()
         sock.close()
+    if loop.fatal_error is not None:
+        raise loop.fatal_error
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -165,10 +165,7 @@ class SpecWorker:
         if not src:
             return
         idx = torch.from_numpy(np.asarray([src, dst], dtype=np.int64)).to(self.engine.device)
-        pool = self.engine.pool  # drafters with their own pools re-extend accepted tokens instead
-        for layer in range(pool.num_layers):
-            pool.k[layer][idx[1]] = pool.k[layer][idx[0]]
-            pool.v[layer][idx[1]] = pool.v[layer][idx[0]]
+        self.engine.runner.copy_kv(idx)  # the target's pool (drafters with their own re-extend accepted tokens)
 
     def _record(self, lens: list[int], draft_s: float, verify_s: float) -> None:
         self.stats.add(lens, draft_s, verify_s)
