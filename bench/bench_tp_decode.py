@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def one(args: argparse.Namespace, size: int, bs: int) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); from bench_gpu_decode import time_engine; "
-            f"print('RESULT', json.dumps(time_engine({args.model!r}, 'reduce_overhead', {bs}, {args.context}, "
-            f"{args.steps}, {[f'parallel.tensor_parallel_size={size}', 'attention=triton', *args.extra]!r})))")
+            f"print('RESULT', json.dumps(time_engine({args.model!r}, 'reduce_overhead', [{bs}], {args.context}, "
+            f"{args.steps}, {[f'parallel.tensor_parallel_size={size}', 'attention=triton', *args.extra]!r})[{bs}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.join(os.path.dirname(__file__), ".."))
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
