@@ -38,8 +38,9 @@ class FusedIteration:
         return worker.engine.runner.backend.uniform_metadata(empty, empty, empty, worker.q) is not None
 
     def serves(self, sampling: SamplingBatch) -> bool:
-        """Greedy batches and sampling batches without top-k / top-p."""
-        return sampling.all_greedy or not sampling.need_top_k_top_p
+        """Greedy batches and sampling batches without top-k / top-p, in one process (a tensor-parallel forward
+        goes through ModelRunner.forward, which sends the batch to the other ranks first)."""
+        return self.worker.engine.runner.tp is None and (sampling.all_greedy or not sampling.need_top_k_top_p)
 
     def run(self, rows: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The iteration's result ``[bs + bs * q]`` (accept lengths, then each request's emitted tokens) for the
