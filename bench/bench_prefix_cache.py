@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 

@@ -14,18 +14,20 @@ from framework.batch import ForwardBatch, ForwardMode
 from framework.config import Config, ConfigError
 from framework.detokenizer import IncrementalDetokenizer
 from framework.kv import KVAllocator
+from framework.graph_warmup import warmup_extend, warmup_extend_graphs
 from framework.model_runner import ModelRunner
 from framework.models.loader import load_model
 from framework.parallel.leader import TPLeader, check_parallel
 from framework.request import Request, RequestOutput
+from framework.request_parsing import parse_request
 from framework.resolve import resolve_device, resolve_dtype, resolve_overlap, resolve_pdl
-from framework.sampling import RequestError, SamplingParams, sample
+from framework.sampling import RequestError, sample
 from framework.scheduler import ScheduledStep, Scheduler
 from framework.speculative import DRAFTERS
 from framework.speculative.version import resolve_version
 from framework.speculative.worker import SpecWorker, spec_kv_width
 from framework.speculative.worker_v2 import SpecLaunched, SpecV2Worker, v2_kv_width
-from framework.tokenizer import encode_prompt, load_tokenizer
+from framework.tokenizer import load_tokenizer
 from framework.transfer import AsyncCopy
 
 log = logging.getLogger(__name__)
@@ -134,8 +136,8 @@ class Engine:
         worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
         self.runner.warmup(ForwardMode.DECODE, 1)
-        self.runner.warmup_extend([[5], [40], [3, 4], [20, 30]])
-        self.runner.warmup_extend_graphs(sc.max_running_requests)
+        warmup_extend(self.runner, [[5], [40], [3, 4], [20, 30]])
+        warmup_extend_graphs(self.runner, sc.max_running_requests)
         if self.spec_version == "v1":
             for width in self.drafter.verify_widths(spec):
                 self.runner.warmup(ForwardMode.TARGET_VERIFY, width)
@@ -168,52 +170,8 @@ class Engine:
     def make_request(self, item: dict[str, Any], rid: Any = None) -> Request:
         """Validate and tokenize one request dict (``prompt`` or ``messages`` plus sampling fields).
         Raises :class:`RequestError` with a one-line reason."""
-        if not isinstance(item, dict):
-            raise RequestError(f"a request must be a JSON object, got {type(item).__name__}")
-        prompt, messages = item.get("prompt"), item.get("messages")
-        if messages is not None:
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                    for m in messages):
-                raise RequestError("messages must be a non-empty list of {\"role\": str, \"content\": str}")
-            ids = self._encode("messages", messages=messages)
-        elif prompt is not None:
-            if not isinstance(prompt, str):
-                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise RequestError("prompt is empty")
-            ids = self._encode("prompt", prompt=prompt)
-        else:
-            raise RequestError("request has neither 'prompt' nor 'messages'")
-        if not ids:
-            raise RequestError("prompt is empty after tokenization")
-        if max(ids) >= self.model.args.vocab_size:  # a tokenizer larger than the model's vocabulary
-            raise RequestError(f"prompt token id {max(ids)} is outside the model's vocabulary of "
-                               f"{self.model.args.vocab_size} (model.tokenizer does not match the model)")
-        if len(ids) >= self.max_context:
-            raise RequestError(f"prompt has {len(ids)} tokens; the context window is {self.max_context} tokens "
-                               f"(prompt + at least one generated token must fit)")
-        params = SamplingParams.from_request(self.config.sampling, item)
-        max_new = min(params.max_tokens, self.max_context - len(ids))
-        return Request(rid=item.get("id", rid) if rid is None else rid, prompt_ids=ids, params=params,
-                       seed=params.resolved_seed(), max_new_tokens=max_new)
-
-    def _encode(self, field: str, **text: Any) -> list[int]:
-        """encode_prompt, with any failure (text that is not valid Unicode, a chat template that refuses the
-        messages) as a one-line :class:`RequestError` naming ``field``."""
-        strings = [text["prompt"]] if "prompt" in text else [v for m in text["messages"] for v in m.values()
-                                                              if isinstance(v, str)]
-        for value in strings:
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise RequestError(f"{field} is not valid Unicode text: {value[err.start]!r} (a lone surrogate) at "
-                                   f"character {err.start}") from None
-        try:
-            return encode_prompt(self.tokenizer, **text)
-        except Exception as err:  # noqa: BLE001 - the tokenizer's and template's errors have no common type
-            reason = " ".join(str(err).split())[:200] or type(err).__name__
-            raise RequestError(f"{field} cannot be tokenized: {reason}") from None
+        return parse_request(item, rid, self.tokenizer, self.model.args.vocab_size, self.max_context,
+                             self.config.sampling)
 
     def submit(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -114,6 +114,39 @@ class StaticInputs:
                 and all(t.data_ptr() == buf.data_ptr() for t, buf in zip(int_inputs(batch), self.buffers)))
 
 
+def pad_uniform(batch: ForwardBatch, padded_bs: int, static: Optional[StaticInputs]) -> ForwardBatch:
+    """A copy of a uniform-mode ``batch`` padded to ``padded_bs`` requests with dummy requests.
+
+    NOTE: the copy's seq_lens / seq_lens_sum are the padded ones (metadata is derived from them while the
+    graph runs); the caller's batch keeps its raw values. With ``static`` (CUDA) the integer inputs are those static
+    buffers for this shape, rewritten in place: valid until the next forward.
+    """
+    extra = padded_bs - batch.bs
+    q = batch.q_len
+    dev = batch.input_ids.device
+    custom_mask = batch.custom_mask
+    if custom_mask is not None:  # the dummy sees all of its keys (they are all its own, at slot 0)
+        width = custom_mask.shape[-1]
+        custom_mask = torch.cat([custom_mask, torch.ones(extra, q, width, dtype=torch.bool, device=dev)])
+    dummy_len = q if custom_mask is None else max(q, custom_mask.shape[-1])
+    seq_lens_cpu = batch.seq_lens_cpu + [dummy_len] * extra
+    hidden_in = batch.hidden_in
+    if hidden_in is not None:
+        hidden_in = torch.cat([hidden_in, hidden_in.new_zeros(extra * q, hidden_in.shape[-1])])
+    if static is not None:
+        ints = (*static.buffers, static.logits_index) if static.holds(batch, dummy_len) else static.fill(
+            batch, dummy_len)
+    else:  # NOTE: also when extra is 0: the compiled graph gets fresh, aligned tensors, never views
+        ints = pad_fresh(batch, extra, dummy_len)
+    input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index = ints
+    return batch.replace(
+        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
+        logits_index=logits_index, custom_mask=custom_mask, hidden_in=hidden_in, padded_bs=padded_bs,
+        seq_lens_sum=sum(seq_lens_cpu),
+    )
+
+
 def dummy_extend_batch(lens: list[int], device: torch.device) -> ForwardBatch:
     """An EXTEND batch of dummy requests (the reserved row and KV slot) with ``lens`` new tokens each, for warm-ups."""
     n = sum(lens)

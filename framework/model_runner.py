@@ -16,7 +16,7 @@ from framework.attention.base import AttentionBackend
 from framework.batch import ForwardBatch, ForwardMode
 from framework import compile_guards
 from framework.compile_guards import CAN_SKIP_GUARDS, full_guards, guarded_if_skipping, input_signature
-from framework.graph_inputs import StaticInputs, dummy_extend_batch, extend_graph_shape, pad_extend, pad_fresh
+from framework.graph_inputs import StaticInputs, extend_graph_shape, pad_extend, pad_uniform
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
 from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
@@ -118,45 +118,6 @@ class ModelRunner:
         return self._forward(*args)
 
     @torch.inference_mode()
-    def warmup_extend(self, lens_list: list[list[int]]) -> None:
-        """Compile the prefill graph ahead of serving for batches of ``lens`` new tokens per request (dynamo
-        specialises a few size classes: one request or several, one token or several, up to 16 tokens or more).
-        Where prefill steps up to ``extend_graph_tokens`` run from CUDA graphs, the dynamic graph only meets larger
-        ones: one request's and several requests'."""
-        if self._compiled_extend is None:
-            return
-        if self.extend_graph_tokens:
-            half = self.extend_graph_tokens // 2 + 1
-            lens_list = [[self.extend_graph_tokens + 1], [half, half]]
-        limit = self.backend.allocator.req_to_token.shape[1]  # positions a request may have
-        for lens in lens_list:
-            batch = dummy_extend_batch([min(k, limit) for k in lens], self.device)
-            try:
-                self.forward(batch)
-            except Exception as err:  # noqa: BLE001 - a compiler failure must not stop serving: prefill runs eagerly
-                log.warning("compile.prefill: compiling the prefill graph failed, prefill runs eagerly: %s",
-                            " ".join(str(err).split())[:300])
-                self._compiled_extend = None
-                return
-
-    @torch.inference_mode()
-    def warmup_extend_graphs(self, max_requests: int) -> None:
-        """Record the prefill CUDA graphs ahead of serving: every padded token count up to ``extend_graph_tokens`` for
-        steps of up to min(max_requests, 7) requests (steps of more requests record theirs when first met)."""
-        if not self.extend_graph_tokens:
-            return
-        reqs = 1
-        while reqs <= min(max_requests, 7):
-            tokens = 16
-            while tokens <= self.extend_graph_tokens:
-                n = max(reqs, tokens // 2 if tokens > 16 else reqs)  # new tokens of a step padded to `tokens`
-                if n < tokens:
-                    self.forward(dummy_extend_batch([n - reqs + 1] + [1] * (reqs - 1), self.device))
-                tokens *= 2
-            reqs = 2 * reqs + 1 if reqs > 1 else 2  # 1, 2, 5: steps padded to 2, 4 and 8 requests
-        torch.cuda.synchronize()
-
-    @torch.inference_mode()
     def warmup(self, mode: ForwardMode, q_len: int, layer_ids: Any = None) -> None:
         """Compile (and on CUDA record graphs) for every captured batch size ahead of serving, with batches made
         only of dummy requests, so that no request waits for a compilation."""
@@ -184,39 +145,11 @@ class ModelRunner:
         return self.batch_sizes[i] if i < len(self.batch_sizes) else bs
 
     def pad(self, batch: ForwardBatch) -> ForwardBatch:
-        """A copy of a uniform-mode ``batch`` padded to the next captured batch size with dummy requests.
-
-        NOTE: the copy's seq_lens / seq_lens_sum are the padded ones (metadata is derived from them while the
-        graph runs); the caller's batch keeps its raw values. On CUDA the integer inputs are the runner's static
-        buffers for this shape (see :class:`StaticInputs`), rewritten in place: valid until the next forward.
-        """
+        """``batch`` padded to the next captured batch size (:func:`pad_uniform`; on CUDA into the static buffers of
+        the graph that will run it)."""
         padded_bs = self.padded_size(batch.bs)
-        extra = padded_bs - batch.bs
-        q = batch.q_len
-        dev = batch.input_ids.device
-        custom_mask = batch.custom_mask
-        if custom_mask is not None:  # the dummy sees all of its keys (they are all its own, at slot 0)
-            width = custom_mask.shape[-1]
-            custom_mask = torch.cat([custom_mask, torch.ones(extra, q, width, dtype=torch.bool, device=dev)])
-        dummy_len = q if custom_mask is None else max(q, custom_mask.shape[-1])
-        seq_lens_cpu = batch.seq_lens_cpu + [dummy_len] * extra
-        hidden_in = batch.hidden_in
-        if hidden_in is not None:
-            hidden_in = torch.cat([hidden_in, hidden_in.new_zeros(extra * q, hidden_in.shape[-1])])
-        key = (batch.mode, padded_bs, q)
-        if dev.type == "cuda":
-            static = self._static_inputs(key)
-            ints = (*static.buffers, static.logits_index) if static.holds(batch, dummy_len) else static.fill(
-                batch, dummy_len)
-        else:  # NOTE: also when extra is 0: the compiled graph gets fresh, aligned tensors, never views
-            ints = pad_fresh(batch, extra, dummy_len)
-        input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, logits_index = ints
-        return batch.replace(
-            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=batch.extend_lens_cpu + [q] * extra,
-            logits_index=logits_index, custom_mask=custom_mask, hidden_in=hidden_in, padded_bs=padded_bs,
-            seq_lens_sum=sum(seq_lens_cpu),
-        )
+        static = self._static_inputs((batch.mode, padded_bs, batch.q_len)) if self.device.type == "cuda" else None
+        return pad_uniform(batch, padded_bs, static)
 
     def _static_inputs(self, key: tuple) -> StaticInputs:
         if key not in self._static:
@@ -321,8 +254,9 @@ class ModelRunner:
         return extend_graph_shape(batch.input_ids.shape[0], batch.bs, self.extend_graph_tokens)
 
     def _guard_stance(self, args: tuple) -> Any:
-        """Dynamo's guards cost ~0.4 ms of host time per call of this model (a guard per parameter and input):
-        more than the GPU time of a small model's decode step. With ``compile.skip_guards`` the process runs in
+        """Dynamo evaluates a guard per parameter and input on every call of the compiled forward (estimated at
+        ~0.3-0.4 ms when this was added; on 2026-12-04 skipping them measured no gain: docs/PERFORMANCE.md). With
+        ``compile.skip_guards`` the process runs in
         torch's ``skip_guard_eval_unsafe`` stance (set when the runner is built: switching it per call costs as much
         as the guards), which evaluates only the guards that tell compiled entries apart. The first call with each
         input signature (every shape, dtype and metadata value the guards look at, plus the grad mode) and every

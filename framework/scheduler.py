@@ -15,7 +15,6 @@ is preempted (a preempted request re-runs mostly from the cache).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -29,6 +28,7 @@ from framework.detokenizer import IncrementalDetokenizer, find_stop
 from framework.kv import KVAllocator
 from framework.prefix_sharing import PrefixSharing
 from framework.request import Request
+from framework.sampling.device_params import DeviceSamplingParams
 from framework.transfer import upload
 
 
@@ -75,7 +75,7 @@ class Scheduler:
         # ModelRunner.stage, set by the engine when forwards run from static buffers: a decode batch's inputs are
         # written into the graph's static buffers (it must return them for every DECODE batch)
         self.stage_inputs: Optional[Callable[..., Optional[list[torch.Tensor]]]] = None
-        self._sampling: Optional[tuple[list[Request], list[int], SamplingBatch]] = None  # the last one built
+        self._sampling = DeviceSamplingParams(device)
 
     # ---- queues ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -250,26 +250,9 @@ class Scheduler:
         )
 
     def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        """Device tensors of the requests' sampling parameters and the index of the token each samples next.
-
-        They stay on the device while the batch's requests stay the same: only the indices are uploaded again,
-        and not even they for an all-greedy batch (greedy sampling does not read them)."""
-        steps = [r.num_generated for r in reqs]
-        last = self._sampling
-        if last is not None and len(last[0]) == len(reqs) and all(a is b for a, b in zip(last[0], reqs)):
-            batch = last[2]
-            if not batch.all_greedy and steps != last[1]:
-                batch = dataclasses.replace(batch, steps=upload(np.asarray(steps, dtype=np.int64), self.device))
-        else:
-            temps = [r.params.temperature for r in reqs]
-            need_filter = any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs if r.params.temperature > 0)
-            ints = upload(np.asarray([[r.params.top_k for r in reqs], [r.seed for r in reqs], steps], dtype=np.int64),
-                          self.device)
-            floats = upload(np.asarray([temps, [r.params.top_p for r in reqs]], dtype=np.float32), self.device)
-            batch = SamplingBatch(temperatures=floats[0], top_ps=floats[1], top_ks=ints[0], seeds=ints[1],
-                                  steps=ints[2], all_greedy=all(t == 0 for t in temps), need_top_k_top_p=need_filter)
-        self._sampling = (list(reqs), steps, batch)
-        return batch
+        """Device tensors of the requests' sampling parameters and the index of the token each samples next
+        (:class:`DeviceSamplingParams`: kept on the device while the batch's requests stay the same)."""
+        return self._sampling.get(reqs, steps=[r.num_generated for r in reqs])
 
     def commit_launch(self, step: ScheduledStep) -> None:
         """A launched step's positions count at once; the tokens it samples are pending until :meth:`process`."""

@@ -117,7 +117,7 @@ def test_static_inputs_equal_fresh_padding_and_leave_no_stale_rows():
     """The CUDA path's static graph inputs (filled in place) hold what fresh padding builds, also when a smaller
     batch follows a larger one in the same buffers (no slot or row of the earlier batch survives)."""
     from framework.batch import ForwardBatch
-    from framework.model_runner import StaticInputs, pad_fresh
+    from framework.graph_inputs import StaticInputs, pad_fresh
 
     def batch(bs: int, q: int, seed: int) -> ForwardBatch:
         gen = torch.Generator().manual_seed(seed)

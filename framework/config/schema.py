@@ -8,7 +8,7 @@ checked once, by :func:`framework.config.load.to_config`, at the entry point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 

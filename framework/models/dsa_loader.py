@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from framework.config import ModelConfig
-from framework.models.checks import WeightsError, _tensors, check_hf_dir, open_safetensors, safetensors_files
+from framework.models.checks import WeightsError, _tensors, open_safetensors, safetensors_files
 from framework.models.deepseek_v32 import DsaArgs, DsaForCausalLM
 
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")

@@ -33,6 +33,7 @@ from framework.batch import ForwardBatch, ForwardMode, SamplingBatch
 from framework.config import SpeculativeConfig
 from framework.kv import DUMMY_ROW
 from framework.request import Request
+from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
@@ -73,7 +74,7 @@ class SpecV2Worker:
         self._assigned: dict[int, int] = {}  # request row -> positions [0, n) that have slots
         self._inflight: list[SpecLaunched] = []
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
-        self._sampling: Optional[tuple[tuple, SamplingBatch]] = None
+        self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
         self._logits_index: dict[int, torch.Tensor] = {}
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
@@ -146,23 +147,6 @@ class SpecV2Worker:
             self._rows[padded_bs] = last
         return last[1]
 
-    def _padded_sampling(self, reqs: list[Request], padded_bs: int) -> SamplingBatch:
-        """The requests' sampling parameters as ``[padded_bs]`` device tensors (dummies greedy), kept while the
-        batch stays the same."""
-        key = tuple(map(id, reqs)) + (padded_bs,)
-        if self._sampling is None or self._sampling[0] != key:
-            extra = padded_bs - len(reqs)
-            p = [r.params for r in reqs]
-            ints = upload(np.asarray([[x.top_k for x in p] + [0] * extra, [r.seed for r in reqs] + [0] * extra],
-                                     dtype=np.int64), self.device)
-            floats = upload(np.asarray([[x.temperature for x in p] + [0.0] * extra, [x.top_p for x in p] + [1.0] * extra],
-                                       dtype=np.float32), self.device)
-            need = any(x.top_k > 0 or x.top_p < 1 for x in p if x.temperature > 0)
-            self._sampling = (key, SamplingBatch(temperatures=floats[0], top_ps=floats[1], top_ks=ints[0],
-                                                 seeds=ints[1], steps=ints[1], all_greedy=all(x.temperature == 0 for x in p),
-                                                 need_top_k_top_p=need))
-        return self._sampling[1]
-
     def _assign_slots(self, reqs: list[Request]) -> None:
         """Slots for every position this iteration may write (through a pending iteration's largest advance)."""
         rows, starts, ends = [], [], []
@@ -185,7 +169,7 @@ class SpecV2Worker:
         padded_bs = runner.padded_size(bs) if runner.compiled else bs
         rows = self._rows_tensor(reqs, padded_bs)
         bounds = [self._assigned[r.row] for r in reqs] + [q] * (padded_bs - bs)  # host bounds of seq_lens
-        sampling = self._padded_sampling(reqs, padded_bs)
+        sampling = self._sampling.get(reqs, padded_bs)
         return self._run(step, rows, bounds, sampling)
 
     def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int],
