@@ -1,0 +1,100 @@
+"""``tfs::det_matmul``: ``x @ w.T`` whose result for a row does not depend on how many rows the call has or where
+the row sits (model.deterministic).
+
+cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in
+its last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the
+tiling is fixed: every program computes a ``[BLOCK_M, BLOCK_N]`` output tile, reducing over K in ``BLOCK_K`` steps
+from 0 upwards with one float32 accumulator, and the tile sizes, warps and stages are constants (never chosen by M,
+never autotuned; M is not specialised). A row's outputs are then the same sums in the same order for any M: the
+tensor-core product of one row of the tile does not read the other rows.
+
+The plain-torch reference computes every row as its own one-row product (``bmm`` of ``[1, K] x [K, N]`` per row):
+one BLAS call shape whatever M is, which is how the CPU runs this op (row-invariant, slower than one GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA. BLOCK_M 16: the smallest tensor-core tile, so that a
+# decode forward of a few rows wastes little; BLOCK_N 32: enough programs to stream a 4096-wide layer's weights from
+# every SM at one row (128 programs); BLOCK_K 256 with 4 stages keeps 64 KB of weights in flight per program. Any
+# constant choice is batch-invariant; these are a starting point for bench/bench_gpu_decode.py, not tuned.
+CUDA_TILE = (16, 32, 256, 4, 4)
+INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
+
+
+@triton.jit(do_not_specialize=["M"])
+def _det_matmul_kernel(
+    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M),); consecutive programs share a weight tile (L2 reuse)
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < M
+    col_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(W + cols[:, None] * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+        if IEEE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton_op("tfs::det_matmul", mutates_args=())
+def det_matmul_op(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+    """x ``[M, K]`` (unit stride along K), w ``[N, K]`` (a linear layer's weight) -> ``[M, N]`` in w's dtype, or
+    float32 (the accumulator, unrounded) when ``out_float32``."""
+    m, k = x.shape
+    n = w.shape[0]
+    torch._check(w.shape[1] == k, lambda: f"det_matmul: x has {k} columns, w {w.shape[1]}")
+    torch._check(x.stride(1) == 1 and w.stride(1) == 1, lambda: "det_matmul: rows must have unit stride")
+    out = torch.empty((m, n), dtype=torch.float32 if out_float32 else w.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = CUDA_TILE if x.is_cuda else INTERPRET_TILE
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
+    wrap_triton(_det_matmul_kernel)[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=w.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def det_matmul_reference(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+    """Plain torch, one ``[1, K] x [K, N]`` product per row (the same BLAS call for every row of every M: CPU
+    GEMMs block K differently by M, ~all of a row's outputs differ in their last bits between M = 1 and M = 8)."""
+    m, k = x.shape
+    out = torch.bmm(x.to(w.dtype)[:, None, :], w.t().expand(m, k, w.shape[0]))[:, 0]  # [M, N]
+    return out.float() if out_float32 else out
+
+
+register_cpu_reference(det_matmul_op, det_matmul_reference)
+
+
+def det_matmul(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere. x may have leading
+    dims ``[..., K]``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    fn = torch.ops.tfs.det_matmul if use_triton(x2) else det_matmul_reference
+    return fn(x2, w, out_float32).view(*lead, w.shape[0])
