@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.kv.pool import KVPool
+from tfs_kernels.det_matmul import det_matmul
+from tfs_kernels.det_rmsnorm import det_rmsnorm
 from tfs_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tfs_kernels.gemv import gemv
 from tfs_kernels.lm_head import lm_head
@@ -77,19 +79,31 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return inv_freq.float()
 
 
+def project(linear: nn.Linear, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """``linear(x)``; batch-invariant (``tfs::det_matmul``: a row's result whatever the row count) when
+    ``deterministic``."""
+    return det_matmul(x, linear.weight) if deterministic else linear(x)
+
+
 class RMSNorm(nn.Module):
+    deterministic = False  # model.deterministic: tfs::det_rmsnorm (set by LlamaForCausalLM.set_deterministic)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return det_rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
+    deterministic = False  # model.deterministic: projections through tfs::det_matmul
+
     def __init__(self, args: LlamaArgs, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -101,7 +115,8 @@ class Attention(nn.Module):
         self.backend: Any = None  # set by the model runner
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
+        det = self.deterministic
+        return project(self.o_proj, self.attend(project(self.qkv_proj, x, det), rope, meta), det)
 
     def attend(self, qkv: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
@@ -117,14 +132,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    deterministic = False  # model.deterministic: projections through tfs::det_matmul
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)  # fused gate | up
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        det = self.deterministic
+        gate, up = project(self.gate_up_proj, x, det).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, det)
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = True  # compiled decode-sized batches on CUDA use tfs::gemv (see DecoderLayer.forward)
         self.pdl = False  # ... launched with programmatic dependent launch (set by the model runner: compile.pdl)
+        self.deterministic = False  # model.deterministic: see set_deterministic
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -189,6 +208,17 @@ class LlamaForCausalLM(nn.Module):
         """The paged K/V pool this model's layers attend over."""
         a = self.args
         return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, dtype, device)
+
+    def set_deterministic(self) -> None:
+        """model.deterministic: every linear (``tfs::det_matmul``, the LM head with float32 logits) and RMSNorm
+        (``tfs::det_rmsnorm``) computes a token row's result in an order that does not depend on the forward's row
+        count, and the fused decode path (tfs::gemv, a kernel for one row only) is off. Attention is the backend's
+        part (AttentionBackend.set_deterministic)."""
+        self.deterministic = True
+        self.fused_decode = False
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.deterministic = True
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:
@@ -217,5 +247,7 @@ class LlamaForCausalLM(nn.Module):
             return lm_head(x, self.norm.weight, self.norm.eps, self.lm_head.weight, self.pdl)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
+        if self.deterministic:
+            return det_matmul(rows, self.lm_head.weight, out_float32=True), hidden
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
         return logits.float(), hidden
