@@ -145,12 +145,16 @@ def test_det_attention_token_invariant_interpreted() -> None:
 
 @interpreted
 def test_opcheck_interpreted() -> None:
+    """Schema and autograd registration with the interpreted kernels (the fake-tensor checks cannot run an
+    interpreted kernel: they run in the next test and on the GPU)."""
     p = Paged([20, 9], width=40)
     q = randn(2, p.heads, p.dim, seed=10)
-    det_args = (q, p.k, p.v, p.table, p.rpi[:2], torch.tensor([20, 9]), None, None, None, None, 1, 0.2, p.split)
-    torch.library.opcheck(torch.ops.tfs.det_attention, det_args)
-    torch.library.opcheck(torch.ops.tfs.det_matmul, (randn(3, 32, seed=11), randn(16, 32, seed=12), True))
-    torch.library.opcheck(torch.ops.tfs.det_rmsnorm, (randn(3, 32, seed=13), torch.ones(32), 1e-5))
+    cases = [(torch.ops.tfs.det_attention,
+              (q, p.k, p.v, p.table, p.rpi[:2], torch.tensor([20, 9]), None, None, None, None, 1, 0.2, p.split)),
+             (torch.ops.tfs.det_matmul, (randn(3, 32, seed=11), randn(16, 32, seed=12), True)),
+             (torch.ops.tfs.det_rmsnorm, (randn(3, 32, seed=13), torch.ones(32), 1e-5))]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration"))
 
 
 def test_opcheck_reference_and_fake_kernel() -> None:
@@ -158,8 +162,13 @@ def test_opcheck_reference_and_fake_kernel() -> None:
     run_opcheck_without_interpreter(
         "from tfs_kernels.det_matmul import det_matmul_op\nfrom tfs_kernels.det_rmsnorm import det_rmsnorm_op\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "cases = [(torch.ops.tfs.det_matmul, (torch.randn(3, 32, generator=g), torch.randn(16, 32, generator=g)))," 
-        " (torch.ops.tfs.det_rmsnorm, (torch.randn(3, 32, generator=g), torch.ones(32), 1e-5))]\n")
+        "from tfs_kernels.det_attention import det_attention_op\n"
+        "k, v = torch.randn(40, 2, 16, generator=g), torch.randn(40, 2, 16, generator=g)\n"
+        "table = torch.randperm(40, generator=g).view(2, 20)\n"
+        "cases = [(torch.ops.tfs.det_matmul, (torch.randn(3, 32, generator=g), torch.randn(16, 32, generator=g))),"
+        " (torch.ops.tfs.det_rmsnorm, (torch.randn(3, 32, generator=g), torch.ones(32), 1e-5)),"
+        " (torch.ops.tfs.det_attention, (torch.randn(2, 4, 16, generator=g), k, v, table, torch.tensor([1, 0]),"
+        " torch.tensor([20, 7]), None, None, None, None, 1, 0.25, 16))]\n")
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="interpreted tests run in this process")
@@ -179,8 +188,8 @@ def test_cpu_matmul_and_norm_rows_invariant() -> None:
     gemm = torch.nn.functional.linear
     assert not torch.equal(gemm(x, w)[3], gemm(row[None], w)[0])  # why the deterministic path exists
     assert_rows_invariant(lambda x: det_matmul(x, w), row, 576, [2, 8, 48], "cpu", torch.float32)
-    assert_rows_invariant(lambda x: det_rmsnorm(x, torch.rand(576) + 0.5, 1e-5), row, 576, [2, 8, 300], "cpu",
-                          torch.float32)
+    weight = torch.rand(576, generator=torch.Generator().manual_seed(17)) + 0.5
+    assert_rows_invariant(lambda x: det_rmsnorm(x, weight, 1e-5), row, 576, [2, 8, 300], "cpu", torch.float32)
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------
@@ -198,7 +207,7 @@ def test_det_matmul_gpu_bf16(n: int, k: int) -> None:
 
 @pytest.mark.gpu
 def test_det_rmsnorm_gpu_bf16() -> None:
-    weight = torch.rand(4096, device="cuda") .to(torch.bfloat16) + 0.5
+    weight = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
     x = randn(70, 4096, seed=19, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(det_rmsnorm(x, weight, 1e-5).float(), det_rmsnorm_reference(x, weight, 1e-5).float(),
                                atol=2e-2, rtol=2e-2)
