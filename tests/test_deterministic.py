@@ -23,11 +23,11 @@ from framework.config import ConfigError
 from tests.test_smollm2_golden import CHATS
 
 slow = pytest.mark.slow
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 BASE = ["model=smollm2_135m", "compile=eager", "model.deterministic=true", "scheduler.max_context=256",
         "scheduler.max_running_requests=8"]
 SPECS = {"none": ["kv.page_size=1"], "ngram": ["speculative=ngram", "speculative.num_steps=4", "kv.page_size=16"],
-         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "kv.page_size=1"]}
+         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=2", "kv.page_size=1"]}
 
 
 def items() -> list[dict]:
@@ -73,7 +73,7 @@ def test_switch_sets_the_kernels() -> None:
 
 @pytest.mark.parametrize("overrides,message", [
     (["speculative=ngram", "speculative.num_steps=3", "speculative.topk=2"], "speculative.topk=2"),
-    (["speculative=suffix", "speculative.num_steps=3"], "suffix"),
+    (["speculative=suffix", "speculative.num_steps=3"], "speculative.topk=4"),  # (suffix's trees)
     (["attention=flex"], "attention=flex has no batch-invariant mode"),
     (["model=dsa_tiny", "attention=nsa"], "Llama-family models only"),
 ])
