@@ -44,19 +44,25 @@ def assert_rows_invariant(fn, row: torch.Tensor, width: int, counts: list[int], 
 
 # ---- interpreted: kernels vs references, and the invariance --------------------------------------------------------
 @interpreted
+@pytest.mark.parametrize("fusion", ["plain", "float32", "residual", "silu_mul+residual"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 70), (37, 24, 64)])
-@pytest.mark.parametrize("out_float32", [False, True])
-def test_det_matmul_interpreted(m: int, n: int, k: int, out_float32: bool) -> None:
-    x, w = randn(m, k, seed=m), randn(n, k, seed=n + k) / k ** 0.5
-    out = torch.ops.tfs.det_matmul(x, w, out_float32)
+def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str) -> None:
+    silu_mul = "silu_mul" in fusion
+    x, w = randn(m, 2 * k if silu_mul else k, seed=m), randn(n, k, seed=n + k) / k ** 0.5
+    residual = randn(m, n + 3, seed=m + n)[:, :n] if "residual" in fusion else None  # a row stride other than n
+    args = (x, w, residual, silu_mul, fusion == "float32")
+    out = torch.ops.tfs.det_matmul(*args)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out, det_matmul_reference(x, w, out_float32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, det_matmul_reference(*args), atol=1e-5, rtol=1e-5)
 
 
 @interpreted
 def test_det_matmul_rows_invariant_interpreted() -> None:
     w = randn(40, 80, seed=1)
     assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w), randn(80, seed=2), 80, [1, 2, 16, 17, 40],
+                          "cpu", torch.float32)
+    w2 = randn(40, 40, seed=3)  # SiLU-mul of gate | up: still a row's own
+    assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w2, None, True), randn(80, seed=4), 80, [2, 17],
                           "cpu", torch.float32)
 
 
@@ -151,7 +157,7 @@ def test_opcheck_interpreted() -> None:
     q = randn(2, p.heads, p.dim, seed=10)
     cases = [(torch.ops.tfs.det_attention,
               (q, p.k, p.v, p.table, p.rpi[:2], torch.tensor([20, 9]), None, None, None, None, 1, 0.2, p.split)),
-             (torch.ops.tfs.det_matmul, (randn(3, 32, seed=11), randn(16, 32, seed=12), True)),
+             (torch.ops.tfs.det_matmul, (randn(3, 32, seed=11), randn(16, 32, seed=12), randn(3, 16, seed=9))),
              (torch.ops.tfs.det_rmsnorm, (randn(3, 32, seed=13), torch.ones(32), 1e-5))]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration"))
@@ -202,7 +208,9 @@ def test_det_matmul_gpu_bf16(n: int, k: int) -> None:
     x = randn(64, k, seed=18, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(det_matmul(x, w).float(), (x @ w.T).float(), atol=3e-2, rtol=3e-2)
     assert_rows_invariant(lambda x: det_matmul(x, w), x[5], k, [2, 8, 33, 300], "cuda", torch.bfloat16)
-    assert torch.ops.tfs.det_matmul(x, w, True).dtype == torch.float32
+    assert det_matmul(x, w, out_float32=True).dtype == torch.float32
+    res = randn(64, n, seed=21, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(det_matmul(x, w, residual=res).float(), (x @ w.T + res).float(), atol=5e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu

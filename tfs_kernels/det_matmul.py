@@ -1,18 +1,21 @@
 """``tfs::det_matmul``: ``x @ w.T`` whose result for a row does not depend on how many rows the call has or where
 the row sits (model.deterministic).
 
-cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in
-its last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the
-tiling is fixed: every program computes a ``[BLOCK_M, BLOCK_N]`` output tile, reducing over K in ``BLOCK_K`` steps
-from 0 upwards with one float32 accumulator, and the tile sizes, warps and stages are constants (never chosen by M,
-never autotuned; M is not specialised). A row's outputs are then the same sums in the same order for any M: the
-tensor-core product of one row of the tile does not read the other rows.
+cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in its
+last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the tiling is
+fixed (a SiLU-mul before the product and a residual add after it fold in, element-wise): every program computes a
+``[BLOCK_M, BLOCK_N]`` output tile, reducing over K in ``BLOCK_K`` steps from 0 upwards with one float32
+accumulator, and the tile sizes, warps and stages are constants (never chosen by M, never autotuned; M is not
+specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row
+of the tile does not read the other rows.
 
 The plain-torch reference, which is how the CPU runs this op, pads the rows to blocks of 16 and multiplies each
 block on its own (one ``bmm``): one BLAS call shape whatever M is (row-invariant; slower than one GEMM).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -31,8 +34,9 @@ INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps
 
 @triton.jit(do_not_specialize=["M"])
 def _det_matmul_kernel(
-    X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr,
+    X, W, Out, Residual, M, N, K, stride_xm, stride_wn, stride_om, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M),); consecutive programs share a weight tile (L2 reuse)
     pid = tl.program_id(0)
@@ -47,33 +51,50 @@ def _det_matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        x_ptr = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
+        x = tl.load(x_ptr, mask=x_ok, other=0.0)  # [BLOCK_M, BLOCK_K]
+        if SILU_MUL:  # x holds gate | up (K columns each): silu(gate) * up, in float32, rounded once
+            up = tl.load(x_ptr + K, mask=x_ok, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            x = gate / (1.0 + tl.exp(-gate)) * up
+        x = x.to(W.dtype.element_ty)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]
         if IEEE_DOT:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    out = acc.to(Out.dtype.element_ty)
+    if HAS_RESIDUAL:  # the product rounded first, as ``residual + linear(x)`` would round it
+        res = tl.load(Residual + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
 
 
 @triton_op("tfs::det_matmul", mutates_args=())
-def det_matmul_op(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
-    """x ``[M, K]`` (unit stride along K), w ``[N, K]`` (a linear layer's weight) -> ``[M, N]`` in w's dtype, or
-    float32 (the accumulator, unrounded) when ``out_float32``."""
-    m, k = x.shape
-    n = w.shape[0]
-    torch._check(w.shape[1] == k, lambda: f"det_matmul: x has {k} columns, w {w.shape[1]}")
+def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+                  out_float32: bool = False) -> torch.Tensor:
+    """x ``[M, K]`` (``[M, 2K]``: gate | up when ``silu_mul``; unit stride along K), w ``[N, K]`` (a linear
+    layer's weight) -> ``x @ w.T`` ``[M, N]`` in w's dtype, or float32 (the accumulator, unrounded) when
+    ``out_float32``; ``silu_mul``: ``(silu(gate) * up) @ w.T``; ``residual`` ``[M, N]``: added to the (rounded)
+    product."""
+    m = x.shape[0]
+    n, k = w.shape
+    torch._check(x.shape[1] == (2 * k if silu_mul else k), lambda: f"det_matmul: x has {x.shape[1]} columns for K {k}")
     torch._check(x.stride(1) == 1 and w.stride(1) == 1, lambda: "det_matmul: rows must have unit stride")
     out = torch.empty((m, n), dtype=torch.float32 if out_float32 else w.dtype, device=x.device)
+    has_res = residual is not None
+    if has_res:
+        torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
     block_m, block_n, block_k, warps, stages = CUDA_TILE if x.is_cuda else INTERPRET_TILE
     grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
     wrap_triton(_det_matmul_kernel)[grid](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=w.dtype == torch.float32,
-        num_warps=warps, num_stages=stages,
+        x, w, out, residual if has_res else out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        residual.stride(0) if has_res else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
+        IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -81,29 +102,37 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -
 CPU_ROW_BLOCK = 16  # rows per product of the reference
 
 
-def det_matmul_reference(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+def det_matmul_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                         silu_mul: bool = False, out_float32: bool = False) -> torch.Tensor:
     """Plain torch: the rows zero-padded to blocks of ``CPU_ROW_BLOCK`` and each block one ``[16, K] x [K, N]``
     product of a batched matmul, the same BLAS call shape for every block of every M. (One CPU GEMM over all M rows
     blocks K by M: nearly every output of a row differs in its last bits between M = 1 and M = 8; within a
     fixed-shape product a row's outputs do not depend on the other rows or its place, which the tests check.)"""
-    m, k = x.shape
-    n = w.shape[0]
+    n, k = w.shape
+    if silu_mul:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    m = x.shape[0]
     blocks = -(-m // CPU_ROW_BLOCK)
     xp = torch.nn.functional.pad(x.to(w.dtype), (0, 0, 0, blocks * CPU_ROW_BLOCK - m))
     out = torch.bmm(xp.view(blocks, CPU_ROW_BLOCK, k), w.t().expand(blocks, k, n))  # [blocks, 16, N]
     out = out.view(blocks * CPU_ROW_BLOCK, n)[:m]
+    if residual is not None:
+        out = (out.float() + residual.float()).to(w.dtype)
     return out.float() if out_float32 else out
 
 
 register_cpu_reference(det_matmul_op, det_matmul_reference)
 
 
-def det_matmul(x: torch.Tensor, w: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
+def det_matmul(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+               out_float32: bool = False) -> torch.Tensor:
     """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere. x may have leading
-    dims ``[..., K]``."""
+    dims ``[..., K]`` (residual the same leading dims)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
     fn = torch.ops.tfs.det_matmul if use_triton(x2) else det_matmul_reference
-    return fn(x2, w, out_float32).view(*lead, w.shape[0])
+    return fn(x2, w, res2, silu_mul, out_float32).view(*lead, w.shape[0])

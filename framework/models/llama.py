@@ -169,6 +169,12 @@ class DecoderLayer(nn.Module):
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps, pdl=pdl)
             return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
+        if self.mlp.deterministic:  # model.deterministic: the residual adds and SiLU-mul inside tfs::det_matmul
+            attn, mlp = self.self_attn, self.mlp
+            out = attn.attend(det_matmul(self.input_layernorm(x), attn.qkv_proj.weight), rope, meta)
+            x = det_matmul(out, attn.o_proj.weight, residual=x)
+            h = det_matmul(self.post_attention_layernorm(x), mlp.gate_up_proj.weight)
+            return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
