@@ -44,13 +44,14 @@ def assert_rows_invariant(fn, row: torch.Tensor, width: int, counts: list[int], 
 
 # ---- interpreted: kernels vs references, and the invariance --------------------------------------------------------
 @interpreted
-@pytest.mark.parametrize("fusion", ["plain", "float32", "residual", "silu_mul+residual"])
+@pytest.mark.parametrize("fusion", ["plain", "float32", "residual", "silu_mul+residual", "norm", "norm+residual"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 70), (37, 24, 64)])
 def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str) -> None:
     silu_mul = "silu_mul" in fusion
     x, w = randn(m, 2 * k if silu_mul else k, seed=m), randn(n, k, seed=n + k) / k ** 0.5
     residual = randn(m, n + 3, seed=m + n)[:, :n] if "residual" in fusion else None  # a row stride other than n
-    args = (x, w, residual, silu_mul, fusion == "float32")
+    norm_weight = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5 if "norm" in fusion else None
+    args = (x, w, residual, silu_mul, fusion == "float32", norm_weight, 0.1)  # (an eps that shows when dropped)
     out = torch.ops.tfs.det_matmul(*args)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, det_matmul_reference(*args), atol=1e-5, rtol=1e-5)
@@ -61,9 +62,11 @@ def test_det_matmul_rows_invariant_interpreted() -> None:
     w = randn(40, 80, seed=1)
     assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w), randn(80, seed=2), 80, [1, 2, 16, 17, 40],
                           "cpu", torch.float32)
-    w2 = randn(40, 40, seed=3)  # SiLU-mul of gate | up: still a row's own
+    w2 = randn(40, 40, seed=3)  # SiLU-mul of gate | up, and an RMSNorm first: still a row's own
     assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w2, None, True), randn(80, seed=4), 80, [2, 17],
                           "cpu", torch.float32)
+    assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w, None, False, False, torch.ones(80)),
+                          randn(80, seed=5), 80, [2, 17], "cpu", torch.float32)
 
 
 @interpreted

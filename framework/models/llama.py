@@ -169,11 +169,12 @@ class DecoderLayer(nn.Module):
             h = gemv(x, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                      eps=self.post_attention_layernorm.eps, pdl=pdl)
             return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
-        if self.mlp.deterministic:  # model.deterministic: the residual adds and SiLU-mul inside tfs::det_matmul
+        if self.mlp.deterministic:  # model.deterministic: the norms, residual adds and SiLU-mul in tfs::det_matmul
             attn, mlp = self.self_attn, self.mlp
-            out = attn.attend(det_matmul(self.input_layernorm(x), attn.qkv_proj.weight), rope, meta)
-            x = det_matmul(out, attn.o_proj.weight, residual=x)
-            h = det_matmul(self.post_attention_layernorm(x), mlp.gate_up_proj.weight)
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps)
+            x = det_matmul(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x)
+            h = det_matmul(x, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
             return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
