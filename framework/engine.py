@@ -105,6 +105,12 @@ class Engine:
         self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
         attention_args = getattr(self.model, "attention_args", args)  # (a tensor-parallel rank's share of heads)
         self.backend = build_backend(config.attention.name, self.pool, self.allocator, attention_args)
+        if config.model.deterministic:  # batch-invariant kernels on the whole forward path (README)
+            if not hasattr(self.model, "set_deterministic"):
+                raise ConfigError(f"model.deterministic=true: not available for {config.model.name} "
+                                  f"({type(self.model).__name__}); Llama-family models only")
+            self.model.set_deterministic()
+            self.backend.set_deterministic()
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]

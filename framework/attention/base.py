@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from framework.batch import ForwardBatch
+from framework.config import ConfigError
 from framework.kv import KVAllocator, KVPool
 
 
@@ -26,6 +27,7 @@ class AttentionBackend:
     # forward reads slots from the allocator's req_to_token itself (the metadata holds the table, not a gather of
     # it): a staged decode batch's new slots can be written inside the compiled forward (ModelRunner._forward)
     reads_table_in_forward = False
+    deterministic = False  # model.deterministic: see set_deterministic
 
     def __init__(self, pool: KVPool, allocator: KVAllocator, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
@@ -35,6 +37,12 @@ class AttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+
+    def set_deterministic(self) -> None:
+        """model.deterministic: from now on a query token's attention output must not depend on the forward it is
+        in (decode, verify, prefill; batch size, position in the batch). Backends that can promise it override."""
+        raise ConfigError(f"model.deterministic=true: attention={self.name} has no batch-invariant mode; use "
+                          "attention=triton (CUDA, or the CPU under TRITON_INTERPRET=1) or attention=sdpa (CPU)")
 
     def init_metadata(self, batch: ForwardBatch) -> Any:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from framework.attention import ATTENTION_BACKENDS
 from framework.attention.base import AttentionBackend
 from framework.attention.mla_dense import DenseMLA
 from framework.batch import ForwardBatch, ForwardMode
+from framework.config import ConfigError
 
 
 @dataclass
@@ -51,12 +52,14 @@ class PaddedLayout:
     flat_index: Optional[torch.Tensor] = None  # EXTEND: [num_tokens] position of each token in [bs * q_len]
 
 
-def padded_layout(batch: ForwardBatch, max_context: int, req_to_token: torch.Tensor) -> PaddedLayout:
+def padded_layout(batch: ForwardBatch, max_context: int, req_to_token: torch.Tensor,
+                  full_width: bool = False) -> PaddedLayout:
     """Key width bucket and slots of the batch; for ragged EXTEND batches also the scatter / gather indices
-    between the flat tokens and the padded ``[bs, q_len]`` grid (built on the host, one copy to the device)."""
+    between the flat tokens and the padded ``[bs, q_len]`` grid (built on the host, one copy to the device).
+    ``full_width``: every batch over the table's whole width (model.deterministic: one reduction length)."""
     # NOTE: v2's draft extend runs from a CUDA graph whose lengths the host does not know: the table's whole width
-    width = max_context if batch.mode is ForwardMode.DRAFT_EXTEND_V2 else kv_width_bucket(max(batch.seq_lens_cpu),
-                                                                                           max_context)
+    whole = full_width or batch.mode is ForwardMode.DRAFT_EXTEND_V2
+    width = max_context if whole else kv_width_bucket(max(batch.seq_lens_cpu), max_context)
     kv_slots = req_to_token[batch.req_pool_indices, :width]  # [bs, width]
     if batch.mode.uniform:
         return PaddedLayout(kv_slots, width, batch.q_len, torch.full_like(batch.seq_lens, batch.q_len))
@@ -104,8 +107,16 @@ def build_mask(seq_lens: torch.Tensor, q_lens: torch.Tensor, q_len: int, kv_widt
 class SdpaBackend(DenseMLA, AttentionBackend):
     name = "sdpa"
 
+    def set_deterministic(self) -> None:
+        """The CPU's batch-invariant attention: every query row is its own sdpa problem (a head of one query)
+        over the table's whole width, so its sums have one shape whatever the batch, the mode or the row."""
+        if self.allocator.device.type != "cpu":
+            raise ConfigError("model.deterministic=true: attention=sdpa is batch-invariant on the CPU only; use "
+                              "attention=triton on CUDA")
+        self.deterministic = True
+
     def init_metadata(self, batch: ForwardBatch) -> SdpaMetadata:
-        lay = padded_layout(batch, self.allocator.max_context, self.allocator.req_to_token)
+        lay = padded_layout(batch, self.allocator.max_context, self.allocator.req_to_token, self.deterministic)
         mask = build_mask(batch.seq_lens, lay.q_lens, lay.q_len, lay.width, batch.custom_mask)
         return SdpaMetadata(batch.out_cache_loc, lay.kv_slots, mask, lay.token_index, lay.flat_index)
 
@@ -128,8 +139,25 @@ class SdpaBackend(DenseMLA, AttentionBackend):
         kb = self.pool.k[layer][meta.kv_slots].transpose(1, 2)  # [bs, kv_heads, width, dim]
         vb = self.pool.v[layer][meta.kv_slots].transpose(1, 2)
         mask = meta.mask[:, :, :, None, :].expand(bs, 1, q_len, group, width).reshape(bs, 1, q_len * group, width)
-        out = F.scaled_dot_product_attention(qb.to(kb.dtype), kb, vb, attn_mask=mask, scale=self.scale)
+        if self.deterministic:
+            out = self._rowwise(qb.to(kb.dtype), kb, vb, mask)
+        else:
+            out = F.scaled_dot_product_attention(qb.to(kb.dtype), kb, vb, attn_mask=mask, scale=self.scale)
         out = out.view(bs, kv_heads, q_len, group, dim).permute(0, 2, 1, 3, 4).reshape(bs * q_len, heads * dim)
         if meta.flat_index is not None:
             out = out[meta.flat_index]
         return out
+
+    def _rowwise(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q ``[bs, kv_heads, rows, dim]``, k / v ``[bs, kv_heads, width, dim]``, mask ``[bs, 1, rows, width]`` ->
+        ``[bs, kv_heads, rows, dim]``, each row as a one-query problem (rows become heads; K/V broadcast to them
+        without a copy): CPU sdpa blocks its products by the query length, so a verify's rows would otherwise
+        reduce differently from a decode's."""
+        bs, kv_heads, rows, dim = q.shape
+        width = k.shape[2]
+        q4 = q.reshape(bs * kv_heads, rows, 1, dim)
+        k4 = k.reshape(bs * kv_heads, 1, width, dim).expand(-1, rows, -1, -1)
+        v4 = v.reshape(bs * kv_heads, 1, width, dim).expand(-1, rows, -1, -1)
+        m4 = mask.expand(bs, kv_heads, rows, width).reshape(bs * kv_heads, rows, 1, width)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=self.scale)
+        return out.view(bs, kv_heads, rows, dim)

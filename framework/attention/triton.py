@@ -8,7 +8,9 @@
 - DECODE: ``tfs::decode_attention``, split-K over each request's keys (flash-decoding);
 - DRAFT_EXTEND (ragged): as EXTEND;
 - TARGET_VERIFY / DRAFT_EXTEND_V2 / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
-  tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none).
+  tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none);
+- model.deterministic: every mode through ``tfs::det_attention`` (a fixed number of keys per split, one token per
+  program), so that a token's output is the same bits in a decode, a verify and a prefill.
 
 The kernels read slots straight from the allocator's ``req_to_token`` table, so the metadata is the batch's own
 tensors plus that table: no per-step gather, no host-computed width, nothing read back from the device. Its shapes
@@ -89,6 +91,14 @@ class TritonBackend(AttentionBackend):
             # cudagraph trees from copying it into the graph on every replay
             torch._dynamo.mark_static_address(allocator.req_to_token)
 
+    def set_deterministic(self) -> None:
+        """Every mode through ``tfs::det_attention``, with one split length for the engine's table width."""
+        from tfs_kernels.det_attention import det_attention, split_len
+
+        self.deterministic = True
+        self._det_attention = det_attention
+        self._det_split = split_len(self.allocator.req_to_token.shape[1], self.allocator.device.type)
+
     def policy(self, q_len: int) -> tuple[int, int, int]:
         """(max_splits, target_programs, min_split_len) of the split-K kernel for ``q_len`` tokens per request."""
         if q_len not in self._policies:
@@ -146,7 +156,7 @@ class TritonBackend(AttentionBackend):
     def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            rope: Any, layer: int, meta: TritonMetadata) -> Optional[torch.Tensor]:
         """The qkv projection, RoPE and the K/V store in one kernel (``tfs::qkv_rope_store``), then attention."""
-        if not self._qkv_rope_store_applies(x, w_qkv, self.head_dim):
+        if self.deterministic or not self._qkv_rope_store_applies(x, w_qkv, self.head_dim):
             return None
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
         q = self._qkv_rope_store(x, w_qkv, norm_weight, eps, rope.cos_table, rope.sin_table, rope.positions, k_cache,
@@ -162,7 +172,11 @@ class TritonBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TritonMetadata) -> torch.Tensor:
-        if meta.q_starts is not None:
+        if self.deterministic:
+            out = self._det_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                                      meta.q_starts, meta.q_lens, meta.custom_mask, meta.mask_bits, meta.q_len,
+                                      self.scale, self._det_split)
+        elif meta.q_starts is not None:
             out = self._extend(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)
         elif meta.q_len == 1 and meta.custom_mask is None:

@@ -149,6 +149,14 @@ def validate_speculative(config: Config) -> None:
         most = sp.topk + (sp.num_steps - 1) * sp.topk * sp.topk + 1  # root + every candidate a tree build makes
         _check("speculative.num_draft_tokens", sp.num_draft_tokens,
                sp.num_steps + 1 <= sp.num_draft_tokens <= most, f"an integer in [{sp.num_steps + 1}, {most}]")
+    if config.model.deterministic:
+        _check("speculative.topk", sp.topk, sp.topk == 1, "1 with model.deterministic=true (a tree's verify rows "
+               "see their ancestors at other key slots than plain decoding would, so their sums differ)")
+        _check("speculative", sp.name, sp.name != "suffix", "a chain drafter with model.deterministic=true (suffix "
+               "drafts trees)")
+        tp = config.parallel.tensor_parallel_size
+        _check("parallel.tensor_parallel_size", tp, tp == 1, "1 with model.deterministic=true (an all-reduce's "
+               "summation order depends on its message size, so on the batch)")
     _check("speculative.ngram_max", sp.ngram_max, sp.ngram_max >= 1, "an integer >= 1")
     _check("speculative.ngram_min", sp.ngram_min, 1 <= sp.ngram_min <= sp.ngram_max, "1 <= ngram_min <= ngram_max")
     _check("speculative.exit_layer", sp.exit_layer, sp.exit_layer >= 0, "0 (default) or a layer count >= 1")

@@ -64,6 +64,11 @@ class ModelConfig:
     # compiled (CUDA-graph) one-token forwards on CUDA run each layer's linears as tfs::gemv with the norms,
     # SiLU-mul and residual adds fused in (tfs_kernels/gemv.py); false: cuBLAS and separate elementwise kernels
     fused_decode: bool = True
+    # batch-invariant forwards: a token's logits are the same bits whatever the batch size, the token's place in it
+    # and the forward it is in (decode, verify, prefill), so greedy output is identical with and without speculation
+    # at any batch size (README "Deterministic mode"); fixed-tiling linears and norms, fixed-split attention
+    # (attention=triton on CUDA, sdpa on the CPU), no fused one-row decode kernels. Chains only (speculative.topk=1)
+    deterministic: bool = False
     # DSA models with an MTP layer: reuse the first MTP draft step's indexer top-k in the later steps of a draft
     # forward; null: as the checkpoint's config.json declares it (GLM-5 does)
     index_share_for_mtp_iteration: Optional[bool] = None

@@ -16,6 +16,8 @@ from torch import nn
 
 from framework.kv.pool import KVPool
 from framework.parallel.comm import all_reduce, embed_vocab, gather_vocab
+from tfs_kernels.det_matmul import det_matmul
+from tfs_kernels.det_rmsnorm import det_rmsnorm
 from tfs_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tfs_kernels.gemv import gemv
 from tfs_kernels.lm_head import lm_head
@@ -79,19 +81,31 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return inv_freq.float()
 
 
+def project(linear: nn.Linear, x: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """``linear(x)``; batch-invariant (``tfs::det_matmul``: a row's result whatever the row count) when
+    ``deterministic``."""
+    return det_matmul(x, linear.weight) if deterministic else linear(x)
+
+
 class RMSNorm(nn.Module):
+    deterministic = False  # model.deterministic: tfs::det_rmsnorm (set by LlamaForCausalLM.set_deterministic)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return det_rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
+    deterministic = False  # model.deterministic: projections through tfs::det_matmul
+
     def __init__(self, args: LlamaArgs, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -106,6 +120,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         out = self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
         return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
+        det = self.deterministic
+        return project(self.o_proj, self.attend(project(self.qkv_proj, x, det), rope, meta), det)
 
     def attend(self, qkv: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
@@ -121,6 +137,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    deterministic = False  # model.deterministic: projections through tfs::det_matmul
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)  # fused gate | up
@@ -131,6 +149,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
+        det = self.deterministic
+        gate, up = project(self.gate_up_proj, x, det).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, det)
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +185,14 @@ class DecoderLayer(nn.Module):
             if tp is None:
                 return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
             return x + all_reduce(gemv(h, mlp.down_proj.weight, silu_mul=True, pdl=pdl), tp)
+            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
+        if self.mlp.deterministic:  # model.deterministic: the norms, residual adds and SiLU-mul in tfs::det_matmul
+            attn, mlp = self.self_attn, self.mlp
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps)
+            x = det_matmul(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x)
+            h = det_matmul(x, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
+            return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -185,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         # tensor parallelism (framework/parallel/shard.py): this rank's TPInfo; embed_tokens / lm_head then hold its
         # vocabulary rows, each layer its heads and intermediate columns; ``args`` keep the whole model's sizes
         self.tp: Any = None
+        self.deterministic = False  # model.deterministic: see set_deterministic
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -213,6 +243,16 @@ class LlamaForCausalLM(nn.Module):
             return self.args
         attn = self.layers[0].self_attn
         return dataclasses.replace(self.args, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+    def set_deterministic(self) -> None:
+        """model.deterministic: every linear (``tfs::det_matmul``, the LM head with float32 logits) and RMSNorm
+        (``tfs::det_rmsnorm``) computes a token row's result in an order that does not depend on the forward's row
+        count, and the fused decode path (tfs::gemv, a kernel for one row only) is off. Attention is the backend's
+        part (AttentionBackend.set_deterministic)."""
+        self.deterministic = True
+        self.fused_decode = False
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.deterministic = True
 
     def set_attention_backend(self, backend: Any) -> None:
         for layer in self.layers:
@@ -244,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
             return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
+        if self.deterministic:
+            return det_matmul(rows, self.lm_head.weight, out_float32=True), hidden
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
         logits = logits.float()  # [m, vocab] (tensor-parallel: [m, vocab / N], this rank's rows, then gathered)
         return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)

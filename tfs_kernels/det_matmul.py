@@ -1,0 +1,156 @@
+"""``tfs::det_matmul``: ``x @ w.T`` whose result for a row does not depend on how many rows the call has or where
+the row sits (model.deterministic).
+
+cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in its
+last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the tiling is
+fixed (an RMSNorm or a SiLU-mul before the product and a residual add after it fold in): every program computes a
+``[BLOCK_M, BLOCK_N]`` output tile, reducing over K in ``BLOCK_K`` steps from 0 upwards with one float32
+accumulator, and the tile sizes, warps and stages are constants (never chosen by M, never autotuned; M is not
+specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row
+of the tile does not read the other rows.
+
+The plain-torch reference, which is how the CPU runs this op, pads the rows to blocks of 16 and multiplies each
+block on its own (one ``bmm``): one BLAS call shape whatever M is (row-invariant; slower than one GEMM).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from tfs_kernels.det_rmsnorm import det_rmsnorm_reference
+from tfs_kernels.dispatch import register_cpu_reference, use_triton
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA. BLOCK_M 16: the smallest tensor-core tile, so that a
+# decode forward of a few rows wastes little; BLOCK_N 32: enough programs to stream a 4096-wide layer's weights from
+# every SM at one row (128 programs); BLOCK_K 256 with 4 stages keeps 64 KB of weights in flight per program. Any
+# constant choice is batch-invariant; these are a starting point for bench/bench_gpu_decode.py, not tuned.
+CUDA_TILE = (16, 32, 256, 4, 4)
+INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
+
+
+@triton.jit(do_not_specialize=["M", "eps"])
+def _det_matmul_kernel(
+    X, W, Out, Residual, Norm_weight, M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M),); consecutive programs share a weight tile (L2 reuse)
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < M
+    col_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    if NORM:  # RMSNorm of the rows first: every program sums a row's squares in the same BLOCK_K steps
+        sum_sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :],
+                         mask=row_ok[:, None] & ((k0 + kk) < K)[None, :], other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xs * xs, 1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + tl.cast(eps, tl.float32))  # [BLOCK_M]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        x_ptr = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
+        x = tl.load(x_ptr, mask=x_ok, other=0.0)  # [BLOCK_M, BLOCK_K]
+        if SILU_MUL:  # x holds gate | up (K columns each): silu(gate) * up, in float32, rounded once
+            up = tl.load(x_ptr + K, mask=x_ok, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            x = gate / (1.0 + tl.exp(-gate)) * up
+        if NORM:  # as RMSNorm rounds: the normalised row in x's dtype, times the weight, in w's dtype
+            nw = tl.load(Norm_weight + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * nw[None, :]
+        x = x.to(W.dtype.element_ty)
+        w = tl.load(W + cols[:, None] * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+        if IEEE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    out = acc.to(Out.dtype.element_ty)
+    if HAS_RESIDUAL:  # the product rounded first, as ``residual + linear(x)`` would round it
+        res = tl.load(Residual + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
+
+
+@triton_op("tfs::det_matmul", mutates_args=())
+def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+                  out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
+                  eps: float = 1e-5) -> torch.Tensor:
+    """x ``[M, K]`` (``[M, 2K]``: gate | up when ``silu_mul``; unit stride along K), w ``[N, K]`` (a linear
+    layer's weight) -> ``x @ w.T`` ``[M, N]`` in w's dtype, or float32 (the accumulator, unrounded) when
+    ``out_float32``; ``silu_mul``: ``(silu(gate) * up) @ w.T``; ``norm_weight`` ``[K]``: ``rmsnorm(x) @ w.T``
+    (RMSNorm with ``eps``; not with ``silu_mul``); ``residual`` ``[M, N]``: added to the (rounded) product."""
+    m = x.shape[0]
+    n, k = w.shape
+    torch._check(x.shape[1] == (2 * k if silu_mul else k), lambda: f"det_matmul: x has {x.shape[1]} columns for K {k}")
+    torch._check(x.stride(1) == 1 and w.stride(1) == 1, lambda: "det_matmul: rows must have unit stride")
+    out = torch.empty((m, n), dtype=torch.float32 if out_float32 else w.dtype, device=x.device)
+    has_res = residual is not None
+    torch._check(norm_weight is None or not silu_mul, lambda: "det_matmul: norm_weight with silu_mul")
+    if has_res:
+        torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
+    block_m, block_n, block_k, warps, stages = CUDA_TILE if x.is_cuda else INTERPRET_TILE
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
+    wrap_triton(_det_matmul_kernel)[grid](
+        x, w, out, residual if has_res else out, w if norm_weight is None else norm_weight, m, n, k, eps,
+        x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if has_res else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
+        NORM=norm_weight is not None,
+        IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+CPU_ROW_BLOCK = 16  # rows per product of the reference
+
+
+def det_matmul_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                         silu_mul: bool = False, out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
+                         eps: float = 1e-5) -> torch.Tensor:
+    """Plain torch: the rows zero-padded to blocks of ``CPU_ROW_BLOCK`` and each block one ``[16, K] x [K, N]``
+    product of a batched matmul, the same BLAS call shape for every block of every M. (One CPU GEMM over all M rows
+    blocks K by M: nearly every output of a row differs in its last bits between M = 1 and M = 8; within a
+    fixed-shape product a row's outputs do not depend on the other rows or its place, which the tests check.)"""
+    n, k = w.shape
+    if silu_mul:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if norm_weight is not None:
+        x = det_rmsnorm_reference(x, norm_weight, eps)
+    m = x.shape[0]
+    blocks = -(-m // CPU_ROW_BLOCK)
+    xp = torch.nn.functional.pad(x.to(w.dtype), (0, 0, 0, blocks * CPU_ROW_BLOCK - m))
+    out = torch.bmm(xp.view(blocks, CPU_ROW_BLOCK, k), w.t().expand(blocks, k, n))  # [blocks, 16, N]
+    out = out.view(blocks * CPU_ROW_BLOCK, n)[:m]
+    if residual is not None:
+        out = (out.float() + residual.float()).to(w.dtype)
+    return out.float() if out_float32 else out
+
+
+register_cpu_reference(det_matmul_op, det_matmul_reference)
+
+
+def det_matmul(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
+               out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere. x may have leading
+    dims ``[..., K]`` (residual the same leading dims)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    fn = torch.ops.tfs.det_matmul if use_triton(x2) else det_matmul_reference
+    return fn(x2, w, res2, silu_mul, out_float32, norm_weight, eps).view(*lead, w.shape[0])
