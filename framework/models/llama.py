@@ -118,10 +118,9 @@ class Attention(nn.Module):
         self.tp: Any = None  # tensor parallelism: this rank's TPInfo (heads and sizes above are its share)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
-        out = self.o_proj(self.attend(self.qkv_proj(x), rope, meta))
-        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
         det = self.deterministic
-        return project(self.o_proj, self.attend(project(self.qkv_proj, x, det), rope, meta), det)
+        out = project(self.o_proj, self.attend(project(self.qkv_proj, x, det), rope, meta), det)
+        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
 
     def attend(self, qkv: torch.Tensor, rope: Rope, meta: Any) -> torch.Tensor:
         """qkv ``[n, q_size + 2 * kv_size]`` -> attention output ``[n, heads * head_dim]`` (before o_proj)."""
@@ -146,12 +145,10 @@ class MLP(nn.Module):
         self.tp: Any = None  # tensor parallelism: this rank's TPInfo (its share of the intermediate columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
-        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
         det = self.deterministic
         gate, up = project(self.gate_up_proj, x, det).chunk(2, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up, det)
+        out = project(self.down_proj, F.silu(gate) * up, det)
+        return out if self.tp is None else all_reduce(out, self.tp)  # row-parallel: partial sums
 
 
 class DecoderLayer(nn.Module):
@@ -185,7 +182,6 @@ class DecoderLayer(nn.Module):
             if tp is None:
                 return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
             return x + all_reduce(gemv(h, mlp.down_proj.weight, silu_mul=True, pdl=pdl), tp)
-            return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
         if self.mlp.deterministic:  # model.deterministic: the norms, residual adds and SiLU-mul in tfs::det_matmul
             attn, mlp = self.self_attn, self.mlp
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
@@ -243,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
             return self.args
         attn = self.layers[0].self_attn
         return dataclasses.replace(self.args, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+
     def set_deterministic(self) -> None:
         """model.deterministic: every linear (``tfs::det_matmul``, the LM head with float32 logits) and RMSNorm
         (``tfs::det_rmsnorm``) computes a token row's result in an order that does not depend on the forward's row
