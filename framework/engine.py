@@ -88,7 +88,12 @@ class Engine:
                               f"{self.max_context + self.spec_width} tokens")
         self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
                                      self.max_context + self.spec_width, self.device, config.kv.prefix_cache)
-        self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
+        scratch = DRAFTERS.get(spec.name).pool_scratch_rows(spec) if spec.name != "none" else 0
+        if scratch and getattr(args, "model_type", "llama") != "llama":
+            raise ConfigError(f"speculative.skip_search=true is not allowed for model type "
+                              f"{args.model_type!r}; it runs on Llama-family models")
+        self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device,
+                                       **({"scratch_rows": scratch} if scratch else {}))
         self.backend = build_backend(config.attention.name, self.pool, self.allocator, args)
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
