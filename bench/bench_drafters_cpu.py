@@ -29,7 +29,14 @@ PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"],
          "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
-         "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"]}
+         "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
+         # self-speculation: a fixed early exit (the first 18 of 30 layers), its kept layers searched from that
+         # start (skip_search), and the search from its own evenly spaced start
+         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=18"],
+         "layer_skip_search": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=18",
+                               "speculative.skip_search=true"],
+         "layer_skip_search_spread": ["speculative=layer_skip", "speculative.num_steps=3",
+                                      "speculative.skip_search=true"]}
 
 
 def run_pass(llm: LLM, items: list[dict]) -> tuple[list[list[int]], float, float]:
@@ -69,6 +76,9 @@ def main() -> None:
             worker = llm.engine.spec_worker
             if getattr(worker, "adaptive", None) is not None:
                 rows[-1]["depths"] = worker.stats.summary()["chosen_draft_lengths"]
+            if getattr(llm.engine.drafter, "search", None) is not None:  # skip_search: what it chose, its cost
+                m = llm.engine.drafter.search_metrics()
+                rows[-1]["search"] = {k: m[k] for k in ("kept_layers", "rounds", "switches", "search_s")}
             print(json.dumps(rows[-1]), flush=True)
     ngram = {r["pass"]: r["accept"] for r in rows if r["drafter"] == "ngram"}
     print(f"\nbatch {args.batch}, {len(items)} requests x {args.max_tokens} tokens at most, {args.prompts}")
