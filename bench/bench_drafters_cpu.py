@@ -30,10 +30,10 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
          "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
-         # self-speculation: a fixed early exit (the first 18 of 30 layers), its kept layers searched from that
-         # start (skip_search), and the search from its own evenly spaced start
-         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=18"],
-         "layer_skip_search": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=18",
+         # self-speculation: a fixed early exit (the first 24 of 30 layers), its kept layers searched from that
+         # start (skip_search), and the search from its own evenly spaced start (skip_ratio 0.2: 24 layers too)
+         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24"],
+         "layer_skip_search": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24",
                                "speculative.skip_search=true"],
          "layer_skip_search_spread": ["speculative=layer_skip", "speculative.num_steps=3",
                                       "speculative.skip_search=true"]}

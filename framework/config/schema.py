@@ -132,7 +132,7 @@ class SpeculativeConfig:
     # the v1 iteration). The draft keeps the layers of exit_layer / skip_layers when set, else the first, the last
     # and evenly spaced ones: num_layers - round(num_layers * skip_ratio) of them
     skip_search: bool = False
-    skip_ratio: float = 0.4
+    skip_ratio: float = 0.2
     search_interval: int = 16  # iterations between search rounds (doubling, up to 8x, after rounds that keep the set)
     search_candidates: int = 4  # candidate sets a round scores (besides the current one)
     search_window: int = 32  # committed positions per request a round scores the sets on
