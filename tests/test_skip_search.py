@@ -123,3 +123,21 @@ def test_only_layer_skip_searches():
     from framework.config import ConfigError, compose
     with pytest.raises(ConfigError, match="speculative.skip_search"):
         compose(TINY + ["speculative=ngram", "speculative.skip_search=true"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_cuda_graphs_lossless_and_set_changes_add_no_graph(attention):
+    """On the GPU (CUDA graphs; the target's pool in the stacked layout): greedy output equals plain decoding while
+    the search switches sets, and a second run of the same prompts (more rounds, other sets) compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    prompts = [{"prompt": p, "max_tokens": 48} for p in PROMPTS[:4]]
+    base = ["model.device=cuda", "model=tiny_llama", "model.dtype=float32", "compile=reduce_overhead",
+            f"attention={attention}", "scheduler.max_running_requests=4"] + SIX
+    plain = [o.token_ids for o in LLM(base).generate(prompts)]
+    llm = LLM(base + SKIP + ["speculative.search_window=8", "speculative.search_interval=2"])
+    assert [o.token_ids for o in llm.generate(prompts)] == plain
+    graphs, rounds = counters["stats"]["unique_graphs"], llm.engine.drafter.search.rounds
+    assert [o.token_ids for o in llm.generate(prompts)] == plain
+    assert llm.engine.drafter.search.rounds > rounds and counters["stats"]["unique_graphs"] == graphs
