@@ -20,14 +20,15 @@ from tests.conftest import TINY
 
 SIX = ["model.arch.num_layers=6"]
 SKIP = ["speculative=layer_skip", "speculative.num_steps=3", "speculative.skip_search=true",
-        "speculative.search_window=16", "speculative.search_interval=4"]
+        "speculative.skip_ratio=0.34", "speculative.search_window=16", "speculative.search_interval=4"]  # 4 of 6 kept
 GROUNDED = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "grounded.jsonl"
 PROMPTS = ["The quick brown fox", "1, 2, 3, 1, 2, 3, 1, 2,", "hello hello hello hello", "def f(x):\n    return",
            "Once upon a time", "import numpy as np\nimport"]
 
 
 def test_proposals_are_valid_distinct_and_seeded():
-    a, b = SkipSearch(30, initial_layers(30, _cfg()), seed=3), SkipSearch(30, initial_layers(30, _cfg()), seed=3)
+    cfg = _cfg(skip_ratio=0.4)
+    a, b = SkipSearch(30, initial_layers(30, cfg), seed=3), SkipSearch(30, initial_layers(30, cfg), seed=3)
     assert len(a.best) == 18 and a.best[0] == 0 and a.best[-1] == 29
     for _ in range(4):  # random rounds, then surrogate and mutation rounds
         cands = a.propose()

@@ -150,14 +150,21 @@ class LayerSkipDrafter(ModelDrafter):
     @torch.inference_mode()
     def _scores(self, sets: list[tuple[int, ...]], batch: ForwardBatch,
                 targets: Optional[torch.Tensor]) -> list[float]:
-        """Agreement of each set's draft predictions with ``targets`` ``[n * w]`` (one host read for all)."""
-        agree = []
-        for layers in sets:
-            self.slot_copies += self.draft_model.set_layers(list(layers))
+        """Agreement of each set's draft predictions with ``targets`` ``[n * w]`` (one host read for all). The sets
+        run nearest first (fewest slots to copy from the one loaded before)."""
+        order, left, loaded = [], list(range(len(sets))), tuple(self.draft_model.loaded)
+        while left:
+            i = min(left, key=lambda j: sum(a != b for a, b in zip(sets[j], loaded)))
+            left.remove(i)
+            order.append(i)
+            loaded = sets[i]
+        agree: dict[int, torch.Tensor] = {}
+        for i in order:
+            self.slot_copies += self.draft_model.set_layers(list(sets[i]))
             logits, _ = self.runner.forward(batch)
             if targets is not None:
-                agree.append((logits.argmax(-1) == targets).float().mean())
-        return torch.stack(agree).tolist() if agree else []
+                agree[i] = (logits.argmax(-1) == targets).float().mean()
+        return torch.stack([agree[i] for i in range(len(sets))]).tolist() if agree else []
 
     def search_metrics(self) -> dict:
         """The kept and skipped layers now, and what the search did (for the metrics file)."""
