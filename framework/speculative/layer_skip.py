@@ -77,7 +77,7 @@ class LayerSkipDrafter(ModelDrafter):
             self.layer_ids = draft_layers(num_layers, cfg.exit_layer, cfg.skip_layers)
             return
         self.search = SkipSearch(num_layers, initial_layers(num_layers, cfg), cfg.seed, cfg.search_candidates,
-                                 cfg.search_interval)
+                                 cfg.search_interval, margin=2 / (cfg.search_window * cfg.search_requests))
         self.draft_model = SlotDraftModel(engine.model, list(self.search.best))
         a, r = engine.model.args, engine.runner
         backend = SlotAttention(engine.pool, engine.allocator, a.num_heads, a.num_kv_heads, a.head_dim,

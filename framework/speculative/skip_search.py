@@ -3,8 +3,9 @@ draft runs, chosen from the target's own verified tokens while serving.
 
 A round proposes ``candidates`` layer sets, and the caller scores them together with the current set on the same
 recent context (the fraction of the last ``search_window`` committed positions where the draft's prediction equals
-the token the target produced: :meth:`LayerSkipDrafter._score`). The best of the round is kept when it beats the
-current set. Proposals: the first ``random_rounds`` rounds draw random sets (exploration, as SWIFT starts); later
+the token the target produced: :meth:`LayerSkipDrafter._scores`). The best of the round replaces the current set
+when it scores more than ``margin`` higher (the drafter's: two of the round's positions, so that noise alone
+rarely switches). Proposals: the first ``random_rounds`` rounds draw random sets (exploration, as SWIFT starts); later
 rounds come from a surrogate, a ridge regression of round-relative scores on the kept-layer masks of every set
 scored so far (each layer's estimated worth), half as the surrogate's best K layers under noise and half as
 mutations of the current set that swap one or two of its least useful layers for the most promising skipped ones.
@@ -25,7 +26,8 @@ class SkipSearch:
     """Proposes candidate kept-layer sets and keeps the best; deterministic for a seed."""
 
     def __init__(self, num_layers: int, initial: list[int], seed: int = 0, candidates: int = 4, interval: int = 16,
-                 random_rounds: int = 2, max_backoff: int = 8, ridge: float = 1.0, history: int = 256) -> None:
+                 random_rounds: int = 2, max_backoff: int = 8, ridge: float = 1.0, history: int = 256,
+                 margin: float = 0.0) -> None:
         self.num_layers = num_layers
         self.keep = len(initial)
         self.best: tuple[int, ...] = tuple(sorted(initial))
@@ -36,6 +38,7 @@ class SkipSearch:
         self.max_backoff = max_backoff
         self.ridge = ridge
         self.history = history  # scored sets the surrogate fits (the most recent)
+        self.margin = margin  # a candidate replaces the current set only when it scores more than this higher
         self.pinned = {0, num_layers - 1} if self.keep >= 3 else set()
         self.masks: list[np.ndarray] = []  # [num_layers] kept mask of every scored set
         self.rel_scores: list[float] = []  # its score minus its round's mean
@@ -122,6 +125,8 @@ class SkipSearch:
             self.rel_scores.append(score - mean)
         del self.masks[: -self.history], self.rel_scores[: -self.history]
         best_i = max(range(len(sets)), key=lambda i: (scores[i], i == 0))  # ties keep the current set
+        if scores[best_i] <= scores[0] + self.margin:
+            best_i = 0
         self.last_scores = {"current": round(scores[0], 4), "best_candidate": round(max(scores[1:], default=0.0), 4)}
         if best_i != 0:
             self.best = sets[best_i]
