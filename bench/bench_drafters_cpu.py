@@ -7,6 +7,8 @@ to plain decoding.
     .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
     .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram ngram_adaptive suffix_adaptive
     .venv/bin/python bench/bench_drafters_cpu.py --batch 32 --copies 4 --prompts bench/prompts/open.jsonl
+    .venv/bin/python bench/bench_drafters_cpu.py --compile eager --limit 4 --max-tokens 64 \
+        --drafters none layer_skip layer_skip_search layer_skip_search_spread      # self-speculation
 
 Printed per drafter and pass: tokens/s (generated tokens over the pass's wall time; engine start-up and a
 warm-up request excluded), mean accepted tokens per verify step, and the ratio to ngram's acceptance. ``*_adaptive``
@@ -29,7 +31,14 @@ PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"],
          "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
-         "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"]}
+         "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
+         # self-speculation: a fixed early exit (the first 24 of 30 layers), its kept layers searched from that
+         # start (skip_search), and the search from its own evenly spaced start (skip_ratio 0.2: 24 layers too)
+         "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24"],
+         "layer_skip_search": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24",
+                               "speculative.skip_search=true"],
+         "layer_skip_search_spread": ["speculative=layer_skip", "speculative.num_steps=3",
+                                      "speculative.skip_search=true"]}
 
 
 def run_pass(llm: LLM, items: list[dict]) -> tuple[list[list[int]], float, float]:
@@ -49,19 +58,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", default=PROMPTS)
     ap.add_argument("--copies", type=int, default=1, help="each prompt this many times per pass (batches > 8)")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
     ap.add_argument("--compile", default="reduce_overhead")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for the speculative engines (after --)")
     args = ap.parse_args()
     items = [dict(json.loads(line), max_tokens=args.max_tokens) for line in open(args.prompts) if line.strip()]
     for item in items:
         item.pop("id", None)
-    items = [dict(it) for it in items for _ in range(args.copies)]
+    items = [dict(it) for it in items[: args.limit or len(items)] for _ in range(args.copies)]
     base = ["model=smollm2_135m", f"compile={args.compile}", f"scheduler.max_running_requests={args.batch}"]
     reference, rows = None, []
+    # every engine first, then each pass across all of them in turn: a machine that slows down part of the time
+    # (other jobs) skews every drafter's pass alike rather than one drafter's
+    engines = {}
     for name in ["none"] + [d for d in args.drafters if d != "none"]:
-        llm = LLM(base + SPECS[name] + (args.extra if name != "none" else []))
-        llm.generate([{"prompt": "Warm up.", "max_tokens": 8}])
-        for label in ("first", "repeat"):
+        engines[name] = LLM(base + SPECS[name] + (args.extra if name != "none" else []))
+        engines[name].generate([{"prompt": "Warm up.", "max_tokens": 8}])
+    for label in ("first", "repeat"):
+        for name, llm in engines.items():
             ids, tok_s, accept = run_pass(llm, items)
             reference = reference or ids
             assert ids == reference, f"{name} ({label} pass) differs from plain decoding"
@@ -69,13 +83,16 @@ def main() -> None:
             worker = llm.engine.spec_worker
             if getattr(worker, "adaptive", None) is not None:
                 rows[-1]["depths"] = worker.stats.summary()["chosen_draft_lengths"]
+            if getattr(llm.engine.drafter, "search", None) is not None:  # skip_search: what it chose, its cost
+                m = llm.engine.drafter.search_metrics()
+                rows[-1]["search"] = {k: m[k] for k in ("kept_layers", "rounds", "switches", "search_s")}
             print(json.dumps(rows[-1]), flush=True)
     ngram = {r["pass"]: r["accept"] for r in rows if r["drafter"] == "ngram"}
     print(f"\nbatch {args.batch}, {len(items)} requests x {args.max_tokens} tokens at most, {args.prompts}")
-    print(f"{'drafter':>15} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
+    print(f"{'drafter':>24} {'pass':>7} {'tok/s':>8} {'accept':>7} {'vs ngram':>9}")
     for r in rows:
         vs = f"{r['accept'] / ngram[r['pass']]:.2f}x" if r["pass"] in ngram and r["drafter"] != "none" else ""
-        print(f"{r['drafter']:>15} {r['pass']:>7} {r['tok_s']:>8} {r['accept']:>7} {vs:>9}")
+        print(f"{r['drafter']:>24} {r['pass']:>7} {r['tok_s']:>8} {r['accept']:>7} {vs:>9}")
 
 
 if __name__ == "__main__":

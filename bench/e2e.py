@@ -5,6 +5,8 @@
     python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
     python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram --max-tokens 256
     python3 bench/e2e.py --cases smollm2_random:8 --overlap on --set framework.models.llama.FUSED_MAX_ROWS=8
+    python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative none layer_skip,speculative.exit_layer=24 \
+        layer_skip,speculative.skip_search=true         # DRAFTER,OVERRIDE,...: overrides of that engine only
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -152,9 +154,10 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
            "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1)}
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
-        row.update(speculative=f"{engine.config.speculative.name} {engine.spec_version}",
+        search = " search" if engine.config.speculative.skip_search else ""
+        row.update(speculative=f"{engine.config.speculative.name}{search} {engine.spec_version}",
                    **{k: summary[k] for k in ("mean_accept_len", "draft_time_share", "verify_time_share",
-                                              "gpu_ms_per_iteration") if k in summary})
+                                              "gpu_ms_per_iteration", "skip_search") if k in summary})
     return row
 
 
@@ -173,7 +176,8 @@ def main() -> None:
                     help="run each job under cProfile and print its top N host functions (the job's numbers then "
                          "include the profiler's cost)")
     ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
-                    help="one engine per drafter (none, ngram, ...) for each model, built in this process")
+                    help="one engine per drafter (none, ngram, ...; DRAFTER,OVERRIDE,... adds Hydra overrides for "
+                         "that engine) for each model, built in this process")
     add_set_option(ap)
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
     args = ap.parse_args()
@@ -185,7 +189,8 @@ def main() -> None:
     rows = []
     engines = [(n, d) for n in dict.fromkeys(n for n, _ in cases) for d in args.speculative]
     for name, drafter in engines:  # one engine per model and drafter, in the order given
-        extra = list(args.extra) + ([f"speculative={drafter}"] if drafter else [])
+        drafter, *own = drafter.split(",") if drafter else [None]  # DRAFTER,OVERRIDE,...
+        extra = list(args.extra) + ([f"speculative={drafter}"] if drafter else []) + own
         if tokenizer and name != "smollm2" and not any(e.startswith("model.tokenizer=") for e in extra):
             extra.append(f"model.tokenizer={tokenizer}")
         engine = build_engine(name, max(b for n, b in cases if n == name), extra)

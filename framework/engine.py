@@ -102,7 +102,12 @@ class Engine:
                               f"{self.max_context + self.spec_width} tokens")
         self.allocator = KVAllocator(num_tokens, config.kv.page_size, sc.max_running_requests,
                                      self.max_context + self.spec_width, self.device, config.kv.prefix_cache)
-        self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device)
+        scratch = DRAFTERS.get(spec.name).pool_scratch_rows(spec) if spec.name != "none" else 0
+        if scratch and getattr(args, "model_type", "llama") != "llama":
+            raise ConfigError(f"speculative.skip_search=true is not allowed for model type "
+                              f"{args.model_type!r}; it runs on Llama-family models")
+        self.pool = self.model.kv_pool(self.allocator.num_slots, self.dtype, self.device,
+                                       **({"scratch_rows": scratch} if scratch else {}))
         attention_args = getattr(self.model, "attention_args", args)  # (a tensor-parallel rank's share of heads)
         self.backend = build_backend(config.attention.name, self.pool, self.allocator, attention_args)
         if config.model.deterministic:  # batch-invariant kernels on the whole forward path (README)

@@ -50,7 +50,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
                  batch_sizes: list[int], device: torch.device, skip_guards: bool = False,
-                 pdl: bool = False, compile_extend: bool = False, extend_graph_tokens: int = 0) -> None:
+                 pdl: bool = False, compile_extend: bool = False, extend_graph_tokens: int = 0,
+                 freeze: bool = True) -> None:
+        """``freeze=False``: on the CPU, compile without inductor's freezing, for a model whose weights change in
+        place between calls (freezing folds them into the graph as constants)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -97,7 +100,7 @@ class ModelRunner:
                     with torch._inductor.config.patch(freezing=True):
                         return compiled_forward(*args)
 
-                self._compiled_forward = frozen_forward
+                self._compiled_forward = frozen_forward if freeze else compiled_forward
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  logits_index: torch.Tensor, extra: Any = None,

@@ -15,6 +15,9 @@ MAX_TOKENS = 20
 DRAFTERS = {
     "ngram": ["speculative=ngram", "speculative.num_steps=4"],
     "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=1"],
+    # (rounds every 2 iterations on 8-token windows: the search switches sets while these requests run)
+    "layer_skip_search": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.skip_search=true",
+                          "speculative.search_window=8", "speculative.search_interval=2"],
     "draft_model": ["speculative=draft_model", "speculative.draft_model=tiny_llama", "speculative.num_steps=3"],
     "eagle": ["speculative=eagle", "speculative.num_steps=3"],
     "suffix": ["speculative=suffix", "speculative.num_steps=4"],  # (a tree at its default topk)
@@ -78,7 +81,7 @@ def test_stop_conditions_inside_accepted_drafts(reference):
     assert outs[1].token_ids == reference[3][:6] and outs[1].finish_reason == "length"
 
 
-@pytest.mark.parametrize("drafter", ["layer_skip", "eagle"])
+@pytest.mark.parametrize("drafter", ["layer_skip", "layer_skip_search", "eagle"])
 def test_compiled_speculation_equals_eager(reference, drafter):
     llm = LLM(TINY[:1] + ["compile=reduce_overhead", "compile.batch_sizes=[8]",
                           "scheduler.max_running_requests=8", "speculative.topk=4",

@@ -126,6 +126,10 @@ class SdpaBackend(DenseMLA, AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: SdpaMetadata) -> torch.Tensor:
         self.pool.store(layer, meta.out_cache_loc, k, v)
+        return self.attend(q, self.pool.k[layer][meta.kv_slots], self.pool.v[layer][meta.kv_slots], meta)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: SdpaMetadata) -> torch.Tensor:
+        """q ``[num_tokens, heads, dim]`` over the gathered keys / values ``[bs, width, kv_heads, dim]``."""
         bs, _, q_len, width = meta.mask.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
@@ -136,8 +140,8 @@ class SdpaBackend(DenseMLA, AttentionBackend):
         # query heads h = kv * group + g share kv head `kv`: fold the group into the query length so that
         # sdpa sees plain multi-head attention and K/V are never repeated
         qb = qb.view(bs, q_len, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(bs, kv_heads, q_len * group, dim)
-        kb = self.pool.k[layer][meta.kv_slots].transpose(1, 2)  # [bs, kv_heads, width, dim]
-        vb = self.pool.v[layer][meta.kv_slots].transpose(1, 2)
+        kb = keys.transpose(1, 2)  # [bs, kv_heads, width, dim]
+        vb = values.transpose(1, 2)
         mask = meta.mask[:, :, :, None, :].expand(bs, 1, q_len, group, width).reshape(bs, 1, q_len * group, width)
         if self.deterministic:
             out = self._rowwise(qb.to(kb.dtype), kb, vb, mask)

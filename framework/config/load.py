@@ -168,6 +168,16 @@ def validate_speculative(config: Config) -> None:
                "an integer >= 0")
         _check("speculative.max_spec_factor", sp.max_spec_factor, sp.max_spec_factor >= 0, "a number >= 0")
         _check("speculative.min_token_prob", sp.min_token_prob, 0 <= sp.min_token_prob <= 1, "a number in [0, 1]")
+    _check("speculative.skip_search", sp.skip_search, not sp.skip_search or sp.name == "layer_skip",
+           f"false with speculative={sp.name} (the skip-set search: layer_skip)")
+    if sp.skip_search:
+        _check("speculative.skip_search", sp.skip_search, config.parallel.tensor_parallel_size == 1,
+               "false with parallel.tensor_parallel_size > 1 (the search's slot layers are not sharded)")
+        _check("speculative.skip_ratio", sp.skip_ratio, 0 <= sp.skip_ratio < 1, "a number in [0, 1)")
+        _check("speculative.search_interval", sp.search_interval, sp.search_interval >= 1, "an integer >= 1")
+        _check("speculative.search_candidates", sp.search_candidates, sp.search_candidates >= 1, "an integer >= 1")
+        _check("speculative.search_window", sp.search_window, sp.search_window >= 1, "an integer >= 1")
+        _check("speculative.search_requests", sp.search_requests, sp.search_requests >= 1, "an integer >= 1")
     if sp.name == "draft_model":
         _check("speculative.draft_model", sp.draft_model, bool(sp.draft_model), "the name of a conf/model option")
         _choice("speculative.draft_model", sp.draft_model, sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))

@@ -132,7 +132,16 @@ class SpeculativeConfig:
     skip_layers: list[int] = field(default_factory=list)  # layer_skip: or skip these layers instead
     draft_model: Optional[str] = None  # draft_model: the name of a conf/model option with the same tokenizer
     checkpoint: Optional[str] = None  # eagle: a safetensors file with the head's weights (random when unset)
-    seed: int = 0  # eagle: seed of a random-initialised head
+    seed: int = 0  # eagle: seed of a random-initialised head; layer_skip with skip_search: the search's seed
+    # layer_skip: choose the draft's layers while serving (SWIFT-style search scored on the target's verified tokens;
+    # the v1 iteration). The draft keeps the layers of exit_layer / skip_layers when set, else the first, the last
+    # and evenly spaced ones: num_layers - round(num_layers * skip_ratio) of them
+    skip_search: bool = False
+    skip_ratio: float = 0.2
+    search_interval: int = 16  # iterations between search rounds (doubling, up to 8x, after rounds that keep the set)
+    search_candidates: int = 4  # candidate sets a round scores (besides the current one)
+    search_window: int = 32  # committed positions per request a round scores the sets on
+    search_requests: int = 2  # requests (longest contexts in the batch) a round scores the sets on
     # the draft depth of each iteration (0: a plain decode step) chosen per batch from the measured acceptance and
     # the measured cost of each depth at that batch size (ngram, suffix; the v1 iteration)
     adaptive: bool = False

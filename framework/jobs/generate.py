@@ -106,6 +106,9 @@ def metrics(engine, outputs: list[RequestOutput]) -> dict[str, Any]:
         layers = getattr(engine.drafter, "layer_ids", None)
         if layers is not None:  # layer_skip: how many of the target's layers the resolved draft runs
             out["spec_params"]["draft_layers"] = len(layers)
+        if getattr(engine.drafter, "search", None) is not None:  # layer_skip, skip_search: the set it chose
+            out["skip_search"] = engine.drafter.search_metrics()
+            out["spec_params"]["draft_layers"] = len(out["skip_search"]["kept_layers"])
         calls = getattr(engine.drafter, "draft_indexer_calls", None)
         if calls is not None:  # mtp: indexer top-k computations in draft forwards (fewer with index reuse)
             out["draft_indexer_calls"] = calls

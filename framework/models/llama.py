@@ -227,10 +227,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()
 
-    def kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:
-        """The paged K/V pool this model's layers attend over."""
+    def kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device, scratch_rows: int = 0) -> KVPool:
+        """The paged K/V pool this model's layers attend over (``scratch_rows``: see :class:`KVPool`)."""
         a = self.attention_args
-        return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, dtype, device)
+        return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, dtype, device, scratch_rows)
 
     @property
     def attention_args(self) -> LlamaArgs:

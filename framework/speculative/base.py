@@ -72,6 +72,11 @@ class Drafter:
         return 0
 
     @classmethod
+    def pool_scratch_rows(cls, cfg: "SpeculativeConfig") -> int:
+        """Rows per layer past the allocator's slots that the drafter needs in the target's K/V pool (none)."""
+        return 0
+
+    @classmethod
     def verify_widths(cls, cfg: "SpeculativeConfig") -> list[int]:
         """The TARGET_VERIFY widths (tree nodes per request) the drafter's trees take: compiled ahead of serving."""
         return [cfg.num_draft_tokens]

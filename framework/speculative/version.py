@@ -19,6 +19,8 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
 
     if cfg.adaptive:
         return "speculative.adaptive=true chooses draft lengths in the v1 iteration"
+    if cfg.skip_search:
+        return "speculative.skip_search=true searches the skip set between v1 iterations"
     if cfg.topk > 1:
         return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
     if not getattr(DRAFTERS.get(cfg.name), "drafts_in_v2", False):
