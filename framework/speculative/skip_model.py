@@ -82,6 +82,7 @@ class SlotDraftModel(nn.Module):
     (:meth:`LlamaForCausalLM.forward`), so drafts take the same fused decode path."""
 
     forward = LlamaForCausalLM.forward
+    tp = None  # (the skip search is refused with tensor parallelism)
 
     def __init__(self, target: LlamaForCausalLM, layers: list[int]) -> None:
         super().__init__()
@@ -109,6 +110,10 @@ class SlotDraftModel(nn.Module):
     @property
     def fused_decode(self) -> bool:
         return self._target[0].fused_decode
+
+    @property
+    def deterministic(self) -> bool:  # (the LM head as the target's; drafts need no batch invariance)
+        return self._target[0].deterministic
 
     @property
     def pdl(self) -> bool:
