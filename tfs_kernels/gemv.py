@@ -42,8 +42,8 @@ PREFETCH_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096)  # the L2 prefetch wind
 # shares it, since the PDL and plain ops must agree bit for bit; the plain 8B step was not re-measured with it.
 # Several rows ("rows", the tl.dot path): one configuration for every shape, the sweep's best worst case at 2 and 8
 # rows (`python bench/tune_gemv.py --rows 2 8 --no-chain --block-n 8 16 32 --block-k 128 256 512 --warps 4 8
-# --stages 3 4`, H200, 2026-12-04: within 1.07x / 1.09x of each shape's best, 0.95-1.16x cuBLAS's bandwidth per
-# shape; the earlier (16, 256, 4, 3) was not among the top four).
+# --stages 3 4`, H200, 2026-12-04: within 1.07x / 1.09x of each shape's best, 0.91-1.17x cuBLAS's bandwidth per
+# shape, docs/PERFORMANCE.md; the earlier (16, 256, 4, 3) was not among the top four).
 CUDA_LAUNCH = {
     "tall": (8, 1024, 4, 3),  # k > n: the MLP's down projection
     "square": (8, 1024, 4, 3),  # n == k, small: o_proj (with PDL_PRELOAD and the merge's early trigger)
