@@ -67,3 +67,17 @@ def test_v2_iteration_does_not_synchronize():
     while engine.has_work():
         engine.step()
     engine.allocator.assert_all_free()
+
+
+def test_first_filtered_sampling_batch_compiles_nothing():
+    """Start-up records the fused iteration and the three-program path that top-k / top-p batches take, so the first
+    such batch replays graphs instead of compiling while serving."""
+    llm = LLM(cuda_overrides(*BASE))
+    assert llm.engine.spec_worker._fused is not None
+    llm.generate([{"prompt": p, "max_tokens": 16} for p in PROMPTS[:4]])  # greedy: the prefill paths run once
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    out = llm.generate([{"prompt": p, "max_tokens": 24, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": i}
+                        for i, p in enumerate(PROMPTS[:4])])
+    assert all(len(o.token_ids) > 0 for o in out)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a top-k / top-p batch compiled while serving"
+    llm.engine.allocator.assert_all_free()

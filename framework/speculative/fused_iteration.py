@@ -6,7 +6,7 @@ device tensors (:meth:`AttentionBackend.uniform_metadata`: ``attention=triton``)
 ``torch.compile(mode="reduce-overhead")`` program: one CUDA graph replay and one set of guards per iteration
 instead of three, no static-input copies between them, and inductor fuses prepare's and finish's small kernels
 with the forward's. Batches with top-k / top-p sampling keep the three programs (their finish runs eagerly); start-up
-(:meth:`SpecV2Worker.warmup`) records only the fused programs, so the first such batch compiles the other path.
+(:meth:`SpecV2Worker.warmup`) records both paths.
 """
 
 from __future__ import annotations

@@ -265,17 +265,21 @@ class SpecV2Worker:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Record the iteration's graphs for every captured batch size (dummy requests only), greedy and sampling."""
+        """Record the iteration's graphs for every captured batch size (dummy requests only): greedy, sampling, and
+        where the fused iteration serves those two, sampling with top-k / top-p (the three-program path), so that no
+        batch compiles while serving."""
         if not self.graphs:
             return
         runner = self.engine.runner
+        cases = [(True, False), (False, False)] + ([(False, True)] if self._fused is not None else [])
         for padded_bs in runner.batch_sizes:
             rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=self.device)
-            for greedy in (True, False):
+            for greedy, filtered in cases:
                 zeros = torch.zeros(padded_bs, dtype=torch.int64, device=self.device)
                 temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=self.device)
-                sampling = SamplingBatch(temperatures=temps, top_ps=torch.ones_like(temps), top_ks=zeros,
-                                         seeds=zeros, steps=zeros, all_greedy=greedy)
+                top_ps = torch.full_like(temps, 0.9 if filtered else 1.0)
+                sampling = SamplingBatch(temperatures=temps, top_ps=top_ps, top_ks=zeros, seeds=zeros, steps=zeros,
+                                         all_greedy=greedy, need_top_k_top_p=filtered)
                 launched = self._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [self.q] * padded_bs,
                                      sampling)
                 launched.result.numpy()
