@@ -53,6 +53,7 @@ def time_mode(args: argparse.Namespace, deterministic: bool, tile: tuple | None)
                f"model.deterministic={str(deterministic).lower()}", f"scheduler.max_running_requests={max(args.batch)}",
                f"compile.batch_sizes=[{sizes}]", f"scheduler.max_context={args.context + 256}", *args.extra])
     engine = llm.engine
+    print(f"deterministic={deterministic} tile={tile}: engine start-up {engine.startup_s:.1f} s", flush=True)
     times = {}
     for n, bs in enumerate(args.batch):
         step, batch = decode_batch(engine, bs, args.context, 1000 * n)

@@ -49,6 +49,7 @@ def engine(model: str, spec: str, page_size: int) -> LLM:
     return LLM(cuda_overrides(f"model={model}", "model.deterministic=true", "attention=triton",
                               "compile=reduce_overhead", f"kv.page_size={page_size}",
                               f"scheduler.max_running_requests={max(BATCHES)}", "scheduler.max_context=1024",
+                              f"compile.batch_sizes={BATCHES[:-1]}".replace(" ", ""),  # (and the largest)
                               *SPECS[spec]))
 
 

@@ -167,7 +167,7 @@ def test_opcheck_interpreted() -> None:
 
 
 def test_opcheck_reference_and_fake_kernel() -> None:
-    """Without the interpreter the CPU kernel is the reference and the fake kernel is the triton_op body."""
+    """Without the interpreter the CPU kernel is the reference; the registered fake kernels give the right shapes."""
     run_opcheck_without_interpreter(
         "from tfs_kernels.det_matmul import det_matmul_op\nfrom tfs_kernels.det_rmsnorm import det_rmsnorm_op\n"
         "g = torch.Generator().manual_seed(0)\n"

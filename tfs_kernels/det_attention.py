@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.extend_attention import extend_attention_reference
@@ -158,7 +157,7 @@ def _det_merge_kernel(
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@triton_op("tfs::det_attention", mutates_args=())
+@torch.library.custom_op("tfs::det_attention", mutates_args=())
 def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, q_starts: Optional[torch.Tensor],
                      q_lens: Optional[torch.Tensor], custom_mask: Optional[torch.Tensor],
@@ -192,7 +191,7 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = torch.empty((n, heads, max_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(dim))
-    wrap_triton(_det_partial_kernel)[(n, kv_heads, max_splits)](
+    _det_partial_kernel[(n, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, starts, lens, mask, mid_o, mid_lse,
         scale * LOG2E, custom_mask.shape[2] if has_mask else 0, bs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -203,7 +202,7 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
         num_warps=NUM_WARPS[dev], num_stages=1,
     )
-    wrap_triton(_det_merge_kernel)[(n, heads)](
+    _det_merge_kernel[(n, heads)](
         mid_o, mid_lse, out, seq_lens, starts, lens, bs,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -211,6 +210,11 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=block_d, num_warps=1,
     )
     return out
+
+
+@det_attention_op.register_fake
+def _det_attention_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def det_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,6 +9,11 @@ accumulator, and the tile sizes, warps and stages are constants (never chosen by
 specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row
 of the tile does not read the other rows.
 
+Like ``tfs::det_rmsnorm`` and ``tfs::det_attention`` (and the ``*_pdl`` ops), this is an opaque custom op
+(``torch.library.custom_op`` with a fake kernel), not a ``triton_op``: torch.compile calls it as it is. Inductor
+traces into a ``triton_op`` and generates and analyses the kernel's TTIR at every call site of every graph it
+compiles, and in deterministic mode every linear, norm and attention of every layer is such a call site.
+
 The plain-torch reference, which is how the CPU runs this op, pads the rows to blocks of 16 and multiplies each
 block on its own (one ``bmm``): one BLAS call shape whatever M is (row-invariant; slower than one GEMM).
 """
@@ -20,7 +25,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.det_rmsnorm import det_rmsnorm_reference
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
@@ -84,7 +88,7 @@ def _det_matmul_kernel(
     tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
 
 
-@triton_op("tfs::det_matmul", mutates_args=())
+@torch.library.custom_op("tfs::det_matmul", mutates_args=())
 def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                   out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
                   eps: float = 1e-5) -> torch.Tensor:
@@ -103,7 +107,7 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
     block_m, block_n, block_k, warps, stages = CUDA_TILE if x.is_cuda else INTERPRET_TILE
     grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
-    wrap_triton(_det_matmul_kernel)[grid](
+    _det_matmul_kernel[grid](
         x, w, out, residual if has_res else out, w if norm_weight is None else norm_weight, m, n, k, eps,
         x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if has_res else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
@@ -111,6 +115,13 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
         IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+@det_matmul_op.register_fake
+def _det_matmul_fake(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                     silu_mul: bool = False, out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
+                     eps: float = 1e-5) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_float32 else w.dtype)
 
 
 CPU_ROW_BLOCK = 16  # rows per product of the reference

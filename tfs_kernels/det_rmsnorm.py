@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 
@@ -32,7 +31,7 @@ def _det_rmsnorm_kernel(X, Weight, Out, eps, stride_x, stride_o, HIDDEN: tl.cons
     tl.store(Out + row * stride_o + h, out.to(Out.dtype.element_ty), mask=ok)
 
 
-@triton_op("tfs::det_rmsnorm", mutates_args=())
+@torch.library.custom_op("tfs::det_rmsnorm", mutates_args=())
 def det_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x ``[rows, hidden]`` (unit stride along hidden), weight ``[hidden]`` -> ``[rows, hidden]`` in the dtype
     torch's ``weight * x_normed`` has (the promotion of the two)."""
@@ -40,11 +39,16 @@ def det_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     torch._check(x.stride(1) == 1, lambda: "det_rmsnorm: rows must have unit stride")
     out = torch.empty((rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block_h = triton.next_power_of_2(hidden)
-    wrap_triton(_det_rmsnorm_kernel)[(rows,)](
+    _det_rmsnorm_kernel[(rows,)](
         x, weight, out, eps, x.stride(0), out.stride(0), HIDDEN=hidden, BLOCK_H=block_h,
         num_warps=8 if block_h >= 4096 else 4,
     )
     return out
+
+
+@det_rmsnorm_op.register_fake
+def _det_rmsnorm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
 def det_rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
