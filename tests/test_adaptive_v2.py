@@ -54,8 +54,9 @@ def test_greedy_equals_plain_and_v1(reference, batch):
     count = len(reference) if batch > 1 else 3
     common = [f"scheduler.max_running_requests={batch}"]
     outs = {}
-    for name, spec in (("v1", ADAPTIVE + ["speculative.version=v1"]), ("v1 fixed", NGRAM + ["speculative.version=v1"]),
-                       ("v2", ADAPTIVE + ["scheduler.overlap=off"]), ("v2 overlap", ADAPTIVE + ["scheduler.overlap=on"])):
+    specs = {"v1": ADAPTIVE + ["speculative.version=v1"], "v1 fixed": NGRAM + ["speculative.version=v1"],
+             "v2": ADAPTIVE + ["scheduler.overlap=off"], "v2 overlap": ADAPTIVE + ["scheduler.overlap=on"]}
+    for name, spec in specs.items():
         llm = LLM(TINY + spec + common)
         outs[name] = [o.token_ids for o in llm.generate(items(count))]
         llm.engine.allocator.assert_all_free()

@@ -15,19 +15,26 @@ its own. Dynamo keeps compiled entries, recompile limits and automatic-dynamic s
 called at several widths turns the width into a symbolic size at the second width seen (observed on torch 2.13 for
 an int held in a closure), and widths x batch sizes x greedy / sampling would share one recompile limit, past which
 dynamo silently runs the function eagerly. With a code object per width each width compiles with its width a
-constant, one entry per batch-size family, as a fixed-width worker does; :func:`loud_recompile_limit` makes
-start-up fail rather than fall back to eager if a limit is reached anyway.
+constant, one entry per batch-size family, as a fixed-width worker does. Start-up records every width at every
+captured batch size (:func:`capture_widths`, under :func:`loud_recompile_limit`: start-up fails rather than leave a
+program to run eagerly if a limit is reached anyway).
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from framework.batch import ForwardMode, SamplingBatch
 from framework.config import SpeculativeConfig
+from framework.kv import DUMMY_ROW
+from framework.scheduler import ScheduledStep
+
+if TYPE_CHECKING:
+    from framework.speculative.worker_v2 import SpecV2Worker
 
 
 def iteration_widths(cfg: SpeculativeConfig) -> list[int]:
@@ -66,3 +73,24 @@ def loud_recompile_limit() -> contextlib.AbstractContextManager:
         if hasattr(cfg, name):
             return cfg.patch(**{name: True})
     return contextlib.nullcontext()
+
+
+def capture_widths(worker: "SpecV2Worker", cases: list[tuple[bool, bool]]) -> None:
+    """Start-up: run the worker's iteration for every width and captured batch size with dummy requests only, once
+    per ``(greedy, top-k / top-p)`` case, so that each program compiles and records its CUDA graphs here; a
+    recompile limit reached here fails start-up."""
+    dev = worker.device
+    with loud_recompile_limit():
+        for q in worker.widths:
+            for padded_bs in worker.engine.runner.batch_sizes:
+                rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=dev)
+                zeros = torch.zeros(padded_bs, dtype=torch.int64, device=dev)
+                for greedy, filtered in cases:
+                    temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=dev)
+                    top_ps = torch.full_like(temps, 0.9 if filtered else 1.0)
+                    sampling = SamplingBatch(temperatures=temps, top_ps=top_ps, top_ks=zeros, seeds=zeros,
+                                             steps=zeros, all_greedy=greedy, need_top_k_top_p=filtered)
+                    launched = worker._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [q] * padded_bs,
+                                           sampling, q)
+                    launched.result.numpy()
+                    worker._inflight.remove(launched)

@@ -38,7 +38,7 @@ from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
 from framework.speculative.adaptive import DraftLengthController, record_iteration
-from framework.speculative.adaptive_v2 import iteration_widths, loud_recompile_limit, width_programs
+from framework.speculative.adaptive_v2 import capture_widths, iteration_widths, width_programs
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
@@ -279,23 +279,7 @@ class SpecV2Worker:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Record the iteration's graphs for every width and captured batch size (dummy requests only): greedy,
-        sampling, and where the fused iteration serves those two, sampling with top-k / top-p (the three-program
-        path), so that no batch compiles while serving (and a recompile limit reached here fails start-up)."""
-        if not self.graphs:
-            return
-        cases = [(True, False), (False, False)] + ([(False, True)] if self._fused is not None else [])
-        with loud_recompile_limit():
-            for q in self.widths:
-                for padded_bs in self.engine.runner.batch_sizes:
-                    rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=self.device)
-                    for greedy, filtered in cases:
-                        zeros = torch.zeros(padded_bs, dtype=torch.int64, device=self.device)
-                        temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=self.device)
-                        top_ps = torch.full_like(temps, 0.9 if filtered else 1.0)
-                        sampling = SamplingBatch(temperatures=temps, top_ps=top_ps, top_ks=zeros, seeds=zeros,
-                                                 steps=zeros, all_greedy=greedy, need_top_k_top_p=filtered)
-                        launched = self._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [q] * padded_bs,
-                                             sampling, q)
-                        launched.result.numpy()
-                        self._inflight.remove(launched)
+        """Record the iteration's graphs for every width and captured batch size (:func:`capture_widths`), so that no
+        batch compiles while serving."""
+        if self.graphs:
+            capture_widths(self, [(True, False), (False, False)] + ([(False, True)] if self._fused is not None else []))
