@@ -123,3 +123,33 @@ def test_forced_exploration_runs_every_width_within_the_kv_contract(reference, m
     depths = worker.stats.summary()["chosen_draft_lengths"]
     assert depths.keys() == {"0", "1", "2", "3", "4"} and sum(depths.values()) == len(widths)
     assert {k for _, k in worker.adaptive.cost} == {0, 1, 2, 3, 4} and min(worker.adaptive.cost.values()) > 0
+
+
+def test_each_width_compiles_apart_with_its_width_a_constant():
+    """The compiled programs' mechanism (speculation v2 on CUDA; here with dynamo's eager backend): a code object per
+    width, so every width keeps its width static and adds only its batch-size families (size 1, then a dynamic
+    size), instead of turning the width into a symbolic size and sharing one recompile limit."""
+    import torch
+
+    from framework.speculative.adaptive_v2 import program_for_width
+
+    def program(rows: torch.Tensor, q: int) -> torch.Tensor:
+        return rows[:, None] * q + torch.arange(q)[None, :]  # [bs, q]
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = {q: torch.compile(program_for_width(program, q, pass_width=True), backend=backend, fullgraph=True)
+                for q in range(1, 6)}
+    for q in range(1, 6):
+        for bs in (1, 2, 4, 8):
+            rows = torch.arange(bs)
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            assert torch.equal(compiled[q](rows), program(rows, q))
+    assert len(graphs) == 10  # widths x (batch size 1, a dynamic batch size)
+    # each width: rows [1], then (the batch size, rows [s]); a symbolic width would be one more input
+    assert [len(inputs) for inputs in graphs] == [1, 2] * 5

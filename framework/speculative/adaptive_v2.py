@@ -43,7 +43,7 @@ def iteration_widths(cfg: SpeculativeConfig) -> list[int]:
     return list(range(1, cfg.num_steps + 2)) if cfg.adaptive else [cfg.num_steps + 1]
 
 
-def _per_width(fn: Callable, q: int, pass_width: bool) -> Callable:
+def program_for_width(fn: Callable, q: int, pass_width: bool) -> Callable:
     """``fn(*args, q)`` (``fn(*args)`` without ``pass_width``) under a code object of its own, named for ``q``."""
 
     def program(*args: Any) -> Any:
@@ -62,7 +62,8 @@ def width_programs(fn: Callable, widths: list[int], compiled: bool, pass_width: 
     with a code object of its own."""
     if not compiled:
         return {q: (lambda *args, q=q: fn(*args, q)) if pass_width else fn for q in widths}
-    return {q: torch.compile(_per_width(fn, q, pass_width), mode="reduce-overhead", fullgraph=True) for q in widths}
+    return {q: torch.compile(program_for_width(fn, q, pass_width), mode="reduce-overhead", fullgraph=True)
+            for q in widths}
 
 
 def loud_recompile_limit() -> contextlib.AbstractContextManager:
