@@ -27,7 +27,7 @@ from tests.test_speculative_lossless import items
 
 NGRAM = ["speculative=ngram", "speculative.num_steps=4"]
 ADAPTIVE = NGRAM + ["speculative.adaptive=true"]
-SAMPLED = [dict(it, max_tokens=12, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
+SAMPLED = [dict(it, max_tokens=8, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
            for i, it in enumerate(items(3))]  # (sampling over tiny_llama's vocabulary is slow on the CPU: few tokens)
 
 
