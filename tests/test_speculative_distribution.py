@@ -1,7 +1,8 @@
 """Sampling is lossless: with temperature > 0 the tokens speculative decoding emits have exactly the target's
 distribution. A tiny-vocabulary model (8 tokens) makes the exact distribution enumerable; 20k seeded requests
 give the empirical one; a chi-square test compares them (chain with sampled drafts, tree with top-k drafts,
-n-gram chains in speculation v2 and v1), and the same test rejects a deliberately broken verifier."""
+n-gram chains in speculation v2 and v1, and in v2 with the adaptive depth), and the same test rejects a deliberately
+broken verifier."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import framework.speculative.verify as verify_module
 from framework import LLM
 from framework.request import Request
 from framework.sampling import SamplingParams
+from framework.speculative.adaptive import DraftLengthController
 from tests.helpers import to_hf_llama
 
 VOCAB, TEMPERATURE, SAMPLES = 8, 0.9, 20000
@@ -84,6 +86,15 @@ def chi_square_p(pairs: np.ndarray, joint: np.ndarray) -> float:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_emitted_distribution_equals_target(name, exact_joint):
     pairs = sample_pairs(SPECS[name])
+    assert chi_square_p(pairs, exact_joint) >= 0.01
+
+
+def test_adaptive_widths_keep_the_distribution(monkeypatch, exact_joint):
+    """speculative.adaptive=true in v2, its depth cycling through 2, 1, 0 (widths 3, 2, 1) from one iteration to the
+    next: every iteration draws from its own first token's stream, whatever the width."""
+    depths = itertools.cycle([2, 1, 0])
+    monkeypatch.setattr(DraftLengthController, "choose", lambda self, bs: next(depths))
+    pairs = sample_pairs(SPECS["ngram_chain"] + ["speculative.adaptive=true"])
     assert chi_square_p(pairs, exact_joint) >= 0.01
 
 

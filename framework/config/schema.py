@@ -143,7 +143,8 @@ class SpeculativeConfig:
     search_window: int = 32  # committed positions per request a round scores the sets on
     search_requests: int = 2  # requests (longest contexts in the batch) a round scores the sets on
     # the draft depth of each iteration (0: a plain decode step) chosen per batch from the measured acceptance and
-    # the measured cost of each depth at that batch size (ngram, suffix; the v1 iteration)
+    # the measured cost of each depth at that batch size (ngram: in v2, every verify width captured at start-up;
+    # suffix: in v1)
     adaptive: bool = False
     suffix_max_depth: int = 24  # suffix: longest string the suffix trees count (match + continuation)
     suffix_cache_tokens: int = 16384  # suffix: tokens of finished requests in the global tree (0: none)

@@ -61,3 +61,12 @@ class DraftLengthController:
         for d in range(1, k + 1):
             self.seen[d] += len(emitted)
             self.hits[d] += sum(1 for n in emitted if n - 1 >= d)
+
+
+def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
+                     emitted: list[int], seconds: float) -> None:
+    """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
+    ``seconds``), for the controller's next choices; ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth
+    -> iterations) counts it."""
+    controller.record(bs, k, emitted, seconds)
+    draft_lengths[k] = draft_lengths.get(k, 0) + 1

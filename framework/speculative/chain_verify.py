@@ -43,7 +43,8 @@ def verify_chain_sampling(tokens: torch.Tensor, valid: torch.Tensor, logits: tor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`verify_chain_greedy` for a batch where some requests sample. Sampling tensors ``[bs]``; ``steps``
     the index of each request's first token of this iteration; ``draft_probs`` ``[bs, q, vocab]`` the
-    distribution each node's child was drawn from (None: drafts chosen deterministically, q one-hot)."""
+    distribution each node's child was drawn from (None: drafts chosen deterministically, q one-hot). ``q = 1`` (the
+    root alone, no draft) samples the bonus token from the target's distribution, as a plain decode step does."""
     bs, q = tokens.shape
     dev = tokens.device
     rep = lambda t: t.repeat_interleave(q)  # noqa: E731  per request -> per node
@@ -62,14 +63,14 @@ def verify_chain_sampling(tokens: torch.Tensor, valid: torch.Tensor, logits: tor
     child = accepted.clamp(max=q - 2)
     tried = (accepted < q - 1) & valid[rows, child + 1]  # a draft was tried there, and rejected
     if draft_probs is None:
-        q_stop = torch.zeros_like(p_stop).scatter_(1, drafts[rows, child][:, None], 1.0)
+        q_stop = torch.zeros_like(p_stop).scatter_(1, tokens[rows, child + 1][:, None], 1.0)  # (drafts[rows, child])
     else:
         q_stop = draft_probs[rows, accepted]
     residual = torch.where(tried[:, None], tree_verify.residual_after_rejection(p_stop, q_stop), p_stop)
     salt = torch.where(accepted == 0, torch.zeros_like(accepted), accepted + SALT_RESIDUAL)  # residual_salt
     bonus = torch.where(greedy, residual.argmax(-1), sample_from_probs(residual, seeds, steps, salt=salt))
     depth = torch.arange(q, device=dev)[None, :]
-    shifted = torch.cat([drafts, drafts[:, :1]], dim=1)  # the emitted token at depth d < accepted is drafts[d]
+    shifted = torch.cat([drafts, tokens[:, :1]], dim=1)  # the emitted token at depth d < accepted is drafts[d]
     accept_tokens = torch.where(depth < accepted[:, None], shifted, bonus[:, None])  # [bs, q]
     accept_lens = accepted + 1
     return accept_lens, accept_tokens, fill_bonus_tokens(accept_tokens.reshape(-1), accept_lens, q)

@@ -6,7 +6,8 @@ device tensors (:meth:`AttentionBackend.uniform_metadata`: ``attention=triton``)
 ``torch.compile(mode="reduce-overhead")`` program: one CUDA graph replay and one set of guards per iteration
 instead of three, no static-input copies between them, and inductor fuses prepare's and finish's small kernels
 with the forward's. Batches with top-k / top-p sampling keep the three programs (their finish runs eagerly); start-up
-(:meth:`SpecV2Worker.warmup`) records both paths.
+(:meth:`SpecV2Worker.warmup`) records both paths. Each verify width the worker runs (``speculative.adaptive=true``:
+every width from 1 to ``num_steps + 1``) is a program of its own (:func:`adaptive_v2.width_programs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from framework.batch import SamplingBatch
+from framework.speculative.adaptive_v2 import width_programs
 
 if TYPE_CHECKING:
     from framework.speculative.worker_v2 import SpecV2Worker
@@ -27,8 +29,8 @@ class FusedIteration:
 
     def __init__(self, worker: "SpecV2Worker") -> None:
         self.worker = worker
-        compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
-        self._greedy_fn, self._sampling_fn = compile_(self._greedy), compile_(self._sampling)
+        self._greedy_fn = width_programs(self._greedy, worker.widths, compiled=True, pass_width=True)
+        self._sampling_fn = width_programs(self._sampling, worker.widths, compiled=True, pass_width=True)
 
     @staticmethod
     def applies(worker: "SpecV2Worker") -> bool:
@@ -43,32 +45,33 @@ class FusedIteration:
         goes through ModelRunner.forward, which sends the batch to the other ranks first)."""
         return self.worker.engine.runner.tp is None and (sampling.all_greedy or not sampling.need_top_k_top_p)
 
-    def run(self, rows: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+    def run(self, rows: torch.Tensor, sampling: SamplingBatch, q: int) -> torch.Tensor:
         """The iteration's result ``[bs + bs * q]`` (accept lengths, then each request's emitted tokens) for the
-        requests ``rows`` ``[bs]`` (padded), queued on the device; the caller has marked the CUDA-graph step."""
+        requests ``rows`` ``[bs]`` (padded) at ``q`` verify tokens each, queued on the device; the caller has marked
+        the CUDA-graph step."""
         torch._dynamo.maybe_mark_dynamic(rows, 0)
         if sampling.all_greedy:
-            return self._greedy_fn(rows)
-        return self._sampling_fn(rows, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.seeds)
+            return self._greedy_fn[q](rows)
+        return self._sampling_fn[q](rows, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.seeds)
 
-    def _verify_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _verify_logits(self, rows: torch.Tensor, q: int) -> tuple[torch.Tensor, ...]:
         """prepare, then the TARGET_VERIFY forward: (tokens, valid ``[bs, q]``, logits ``[bs * q, vocab]``, sampling
         steps ``[bs]``)."""
         w = self.worker
         runner = w.engine.runner
-        tokens, valid, positions, slots, seq_lens, _committed, steps = w._prepare(rows)
+        tokens, valid, positions, slots, seq_lens, _committed, steps = w._prepare(rows, q)
         input_ids = tokens.reshape(-1)  # [bs * q]
-        meta = runner.backend.uniform_metadata(slots.reshape(-1), rows, seq_lens, w.q)
+        meta = runner.backend.uniform_metadata(slots.reshape(-1), rows, seq_lens, q)
         logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits, _hidden = runner.model(input_ids, positions, meta, logits_index, None)
         return tokens, valid, logits, steps
 
-    def _greedy(self, rows: torch.Tensor) -> torch.Tensor:
-        tokens, valid, logits, _steps = self._verify_logits(rows)
+    def _greedy(self, rows: torch.Tensor, q: int) -> torch.Tensor:
+        tokens, valid, logits, _steps = self._verify_logits(rows, q)
         return self.worker._finish_greedy(rows, tokens, valid, logits)
 
     def _sampling(self, rows: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                  seeds: torch.Tensor) -> torch.Tensor:
-        tokens, valid, logits, steps = self._verify_logits(rows)
+                  seeds: torch.Tensor, q: int) -> torch.Tensor:
+        tokens, valid, logits, steps = self._verify_logits(rows, q)
         return self.worker._finish_sampling(rows, tokens, valid, logits, temperatures, top_ks, top_ps, seeds, steps,
                                             False, None)

@@ -17,8 +17,8 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
     """Why v2 cannot run this configuration, or None when it can."""
     from framework.speculative import DRAFTERS
 
-    if cfg.adaptive:
-        return "speculative.adaptive=true chooses draft lengths in the v1 iteration"
+    if cfg.adaptive and not getattr(DRAFTERS.get(cfg.name), "drafts_on_device", False):
+        return f"speculative.adaptive=true runs in v2 with drafters that draft on the device (ngram), not {cfg.name}"
     if cfg.skip_search:
         return "speculative.skip_search=true searches the skip set between v1 iterations"
     if cfg.topk > 1:

@@ -22,7 +22,7 @@ from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.scheduler import ScheduledStep
 from framework.speculative import DRAFTERS
-from framework.speculative.adaptive import DraftLengthController
+from framework.speculative.adaptive import DraftLengthController, record_iteration
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.tree import ancestor_mask
 from framework.speculative.verify import verify
@@ -150,8 +150,7 @@ class SpecWorker:
     def _adapt(self, bs: int, depth: int, lens: list[int], t0: float) -> None:
         """speculative.adaptive: what an iteration drafted ``depth`` deep gave, for the next choices."""
         if self.adaptive is not None:
-            self.adaptive.record(bs, depth, lens, time.perf_counter() - t0)
-            self.stats.draft_lengths[depth] = self.stats.draft_lengths.get(depth, 0) + 1
+            record_iteration(self.adaptive, self.stats.draft_lengths, bs, depth, lens, time.perf_counter() - t0)
 
     def _compact(self, reqs: list[Request], kv_lens: list[int], paths: list[list[int]]) -> None:
         """Copy each accepted node's K/V from its tree position to the path's contiguous position."""

@@ -16,7 +16,9 @@ KV contract: the host does not know an in-flight iteration's accept lengths, so 
 pending assigns slots through the largest advance the pending one can make: positions ``[L, L + 2 * q)`` for a
 committed length ``L`` and ``q = num_steps + 1`` verify tokens. Nothing an in-flight iteration may write is freed:
 after an iteration is applied its request keeps positions ``< L' + q`` (what the next iteration writes). The
-committed lengths (``Request.kv_len``) change only when an iteration's result is applied.
+committed lengths (``Request.kv_len``) change only when an iteration's result is applied. With
+``speculative.adaptive=true`` an iteration verifies ``k + 1 <= q`` tokens, ``k`` chosen by the host per iteration
+(:mod:`adaptive_v2`); the bounds above stay those of the largest width ``q``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from framework.kv import DUMMY_ROW
 from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
+from framework.speculative.adaptive import DraftLengthController, record_iteration
+from framework.speculative.adaptive_v2 import capture_widths, iteration_widths, width_programs
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
@@ -56,6 +60,8 @@ class SpecLaunched:
     padded_bs: int
     result: AsyncCopy  # [padded_bs + padded_bs * q]: accept lengths, then the emitted tokens of each request
     events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, verified, accepted, extended
+    q: int  # verify tokens per request (the root and q - 1 drafts)
+    wall_s: float  # the host's time launching it (on the CPU: its computation)
 
 
 class SpecV2Worker:
@@ -65,7 +71,9 @@ class SpecV2Worker:
         self.engine = engine
         self.drafter = drafter
         self.cfg = cfg
-        self.q = cfg.num_steps + 1  # verify tokens per request: the root and the chain
+        self.q = cfg.num_steps + 1  # verify tokens per request: the root and the chain (adaptive: the most)
+        self.widths = iteration_widths(cfg)  # the widths iterations run at (adaptive: 1 .. q), each captured
+        self.adaptive = DraftLengthController(cfg.num_steps) if cfg.adaptive else None
         self.width = v2_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
         self.device = engine.device
@@ -75,37 +83,36 @@ class SpecV2Worker:
         self._inflight: list[SpecLaunched] = []
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
         self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
-        self._logits_index: dict[int, torch.Tensor] = {}
+        self._logits_index: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
-        self._prepare_fn, self._greedy_fn, self._sampling_fn = self._prepare, self._finish_greedy, self._finish_sampling
-        if self.graphs:
-            compile_ = lambda fn: torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # noqa: E731
-            self._prepare_fn, self._greedy_fn, self._sampling_fn = map(compile_, (self._prepare, self._finish_greedy,
-                                                                                  self._finish_sampling))
+        self._prepare_fn = width_programs(self._prepare, self.widths, self.graphs, pass_width=True)
+        self._greedy_fn = width_programs(self._finish_greedy, self.widths, self.graphs, pass_width=False)
+        self._sampling_fn = width_programs(self._finish_sampling, self.widths, self.graphs, pass_width=False)
         # prepare, verify and finish as one program where the drafter and the backend allow it
         self._fused = FusedIteration(self) if FusedIteration.applies(self) else None
 
     # ---- device programs (graph bodies) -----------------------------------------------------------------
-    def _prepare(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _prepare(self, rows: torch.Tensor, q: int) -> tuple[torch.Tensor, ...]:
         """rows ``[bs]`` -> tokens / valid ``[bs, q]`` (root first; drafts where the drafter drafts on the device),
         positions ``[bs * q]``, slots ``[bs, q]``, seq_lens, committed lengths and sampling steps ``[bs]``."""
         table = self.engine.allocator.req_to_token
         lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
         history = self.history.tokens[rows]  # [bs, width]
         if self.drafter.drafts_on_device:
-            drafts, valid = self.drafter.propose_device(history, lens)  # [bs, q - 1]
+            drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
+            drafts, valid = drafts[:, : q - 1], valid[:, : q - 1]  # [bs, q - 1]: the first q - 1 of the chain
         else:  # a model drafter fills them in with its own forwards
-            drafts = torch.zeros(rows.shape[0], self.q - 1, dtype=torch.int64, device=rows.device)
+            drafts = torch.zeros(rows.shape[0], q - 1, dtype=torch.int64, device=rows.device)
             valid = torch.ones_like(drafts, dtype=torch.bool)
         root = torch.gather(history, 1, (lens - 1)[:, None])
         tokens = torch.cat([root, drafts], dim=1).to(torch.int64)
-        valid = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
+        valid = torch.cat([torch.ones_like(root, dtype=torch.bool), valid], dim=1)  # (root: [bs, 1])
         committed = lens - 1  # the root's position: its K/V is written by this forward
-        positions = committed[:, None] + torch.arange(self.q, device=rows.device)[None, :]
+        positions = committed[:, None] + torch.arange(q, device=rows.device)[None, :]
         slots = table[rows[:, None], positions.clamp(max=table.shape[1] - 1)]
         steps = lens - self.history.prompt_lens[rows]  # generated tokens: the index of this iteration's draws
-        return tokens, valid, positions.reshape(-1), slots, committed + self.q, committed, steps
+        return tokens, valid, positions.reshape(-1), slots, committed + q, committed, steps
 
     def _finish_greedy(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
                        logits: torch.Tensor) -> torch.Tensor:
@@ -163,29 +170,30 @@ class SpecV2Worker:
 
     def launch(self, step: ScheduledStep) -> SpecLaunched:
         """Queue one iteration for the step's requests (all prefilled); nothing here waits for the device."""
-        reqs, runner, q = step.reqs, self.engine.runner, self.q
+        reqs, runner = step.reqs, self.engine.runner
         self._assign_slots(reqs)
         bs = len(reqs)
+        q = self.adaptive.choose(bs) + 1 if self.adaptive is not None else self.q  # (from results known so far)
         padded_bs = runner.padded_size(bs) if runner.compiled else bs
         rows = self._rows_tensor(reqs, padded_bs)
         bounds = [self._assigned[r.row] for r in reqs] + [q] * (padded_bs - bs)  # host bounds of seq_lens
         sampling = self._sampling.get(reqs, padded_bs)
-        return self._run(step, rows, bounds, sampling)
+        return self._run(step, rows, bounds, sampling, q)
 
-    def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int],
-             sampling: SamplingBatch) -> SpecLaunched:
-        padded_bs, q = rows.shape[0], self.q
+    def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int], sampling: SamplingBatch,
+             q: int) -> SpecLaunched:
+        padded_bs, t0 = rows.shape[0], time.perf_counter()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if self.device.type == "cuda" else None
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
         if self._fused is not None and self._fused.serves(sampling):  # (its drafting time counts as verifying)
             self._record(events, 1)
-            out = self._fused.run(rows, sampling)
+            out = self._fused.run(rows, sampling, q)
             self._record(events, 3)
             self._record(events, 4)
-            return self._launched(step, padded_bs, out, events)
-        tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn(rows)
+            return self._launched(step, padded_bs, out, events, q, t0)
+        tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn[q](rows)
         sampling = dataclasses.replace(sampling, steps=steps)
         draft_probs = None
         if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
@@ -194,30 +202,30 @@ class SpecV2Worker:
             chain = self.drafter.propose(ctx)
             tokens, valid, draft_probs = chain.tokens, chain.valid, chain.draft_probs
         self._record(events, 1)
-        if padded_bs not in self._logits_index:
-            self._logits_index[padded_bs] = torch.arange(padded_bs * q, device=self.device)
+        if (padded_bs, q) not in self._logits_index:
+            self._logits_index[padded_bs, q] = torch.arange(padded_bs * q, device=self.device)
         batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1), positions=positions,
                              out_cache_loc=slots.reshape(-1), req_pool_indices=rows, seq_lens=seq_lens,
                              seq_lens_cpu=bounds, extend_lens_cpu=[q] * padded_bs,
-                             logits_index=self._logits_index[padded_bs])
+                             logits_index=self._logits_index[padded_bs, q])
         logits, hidden = self.engine.runner.forward(batch, new_step=False)
         self._record(events, 2)
         if sampling.all_greedy:
-            out = self._greedy_fn(rows, tokens, valid, logits)
+            out = self._greedy_fn[q](rows, tokens, valid, logits)
         else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
-            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
+            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn[q]
             out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                          sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
         self._record(events, 3)
         if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
             self.drafter.extend_v2(rows, committed, out[padded_bs:].view(padded_bs, q), out[:padded_bs], hidden, bounds)
         self._record(events, 4)
-        return self._launched(step, padded_bs, out, events)
+        return self._launched(step, padded_bs, out, events, q, t0)
 
     def _launched(self, step: ScheduledStep, padded_bs: int, out: torch.Tensor,
-                  events: Optional[list[torch.cuda.Event]]) -> SpecLaunched:
+                  events: Optional[list[torch.cuda.Event]], q: int, t0: float) -> SpecLaunched:
         """The queued iteration, its result on its way to the host."""
-        launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events)
+        launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events, q, time.perf_counter() - t0)
         for req in step.reqs:
             req.spec_inflight += 1
         self._inflight.append(launched)
@@ -234,7 +242,7 @@ class SpecV2Worker:
         self._inflight.remove(launched)
         sched, alloc, q = self.engine.scheduler, self.engine.allocator, self.q
         lens = host[: launched.padded_bs].tolist()
-        tokens = host[launched.padded_bs:].reshape(launched.padded_bs, q)
+        tokens = host[launched.padded_bs:].reshape(launched.padded_bs, launched.q)
         finished, now = [], time.perf_counter()
         for b, req in enumerate(launched.step.reqs):
             req.spec_inflight -= 1
@@ -252,35 +260,26 @@ class SpecV2Worker:
                 keep = req.kv_len + q + 1
                 alloc.truncate(req.row, keep)
                 self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
-        self._account(lens[: len(launched.step.reqs)], launched.events)
+        bs = len(launched.step.reqs)
+        seconds = self._account(lens[:bs], launched)
+        if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
+            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds)
         return finished
 
-    def _account(self, lens: list[int], events: Optional[list[torch.cuda.Event]]) -> None:
+    def _account(self, lens: list[int], launched: SpecLaunched) -> float:
+        """Count the iteration in the stats; returns its cost: GPU time on CUDA, the launch's wall time on the CPU."""
+        events = launched.events
         if events is None:
             self.stats.add(lens)
-            return
-        ms = [events[i].elapsed_time(events[j]) / 1e3 for i, j in ((0, 1), (1, 3), (3, 4))]  # (the copy came last)
-        self.stats.add(lens, *ms)
+            return launched.wall_s
+        s = [events[i].elapsed_time(events[j]) / 1e3 for i, j in ((0, 1), (1, 3), (3, 4))]  # (the copy came last)
+        self.stats.add(lens, *s)
         self.stats.num_iterations += 1
+        return sum(s)
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Record the iteration's graphs for every captured batch size (dummy requests only): greedy, sampling, and
-        where the fused iteration serves those two, sampling with top-k / top-p (the three-program path), so that no
+        """Record the iteration's graphs for every width and captured batch size (:func:`capture_widths`), so that no
         batch compiles while serving."""
-        if not self.graphs:
-            return
-        runner = self.engine.runner
-        cases = [(True, False), (False, False)] + ([(False, True)] if self._fused is not None else [])
-        for padded_bs in runner.batch_sizes:
-            rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=self.device)
-            for greedy, filtered in cases:
-                zeros = torch.zeros(padded_bs, dtype=torch.int64, device=self.device)
-                temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=self.device)
-                top_ps = torch.full_like(temps, 0.9 if filtered else 1.0)
-                sampling = SamplingBatch(temperatures=temps, top_ps=top_ps, top_ks=zeros, seeds=zeros, steps=zeros,
-                                         all_greedy=greedy, need_top_k_top_p=filtered)
-                launched = self._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [self.q] * padded_bs,
-                                     sampling)
-                launched.result.numpy()
-                self._inflight.remove(launched)
+        if self.graphs:
+            capture_widths(self, [(True, False), (False, False)] + ([(False, True)] if self._fused is not None else []))

@@ -1,0 +1,97 @@
+"""``speculative.adaptive=true`` in speculation v2: each iteration's verify width, chosen on the host, run from
+programs captured at start-up for every width.
+
+An iteration that drafts ``k`` deep (``k`` in ``0 .. num_steps``) verifies ``q = k + 1`` tokens per request: the
+root and ``k`` drafts; ``k = 0`` is a plain decode step (the root alone, whose bonus token is the target's next
+token). The host's :class:`~framework.speculative.adaptive.DraftLengthController` picks ``k`` for the batch when
+:class:`~framework.speculative.worker_v2.SpecV2Worker` launches an iteration, from what it has learnt so far:
+iteration N's accept lengths and cost reach the host while N+1 runs, so the choice lags one iteration behind. The
+cost of an iteration is its GPU time on CUDA (its CUDA events, from drafting to the end of acceptance) and its wall
+time on the CPU (where launching it computes it). The KV contract does not change with the width: slots are
+assigned through the largest width, ``num_steps + 1``, so a pending iteration of any width is covered.
+
+Every width is a program of its own (:func:`width_programs`): compiled, a function per width whose code object is
+its own. Dynamo keeps compiled entries, recompile limits and automatic-dynamic state per code object: one function
+called at several widths turns the width into a symbolic size at the second width seen (observed on torch 2.13 for
+an int held in a closure), and widths x batch sizes x greedy / sampling would share one recompile limit, past which
+dynamo silently runs the function eagerly. With a code object per width each width compiles with its width a
+constant, one entry per batch-size family, as a fixed-width worker does. Start-up records every width at every
+captured batch size (:func:`capture_widths`, under :func:`loud_recompile_limit`: start-up fails rather than leave a
+program to run eagerly if a limit is reached anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from framework.batch import ForwardMode, SamplingBatch
+from framework.config import SpeculativeConfig
+from framework.kv import DUMMY_ROW
+from framework.scheduler import ScheduledStep
+
+if TYPE_CHECKING:
+    from framework.speculative.worker_v2 import SpecV2Worker
+
+
+def iteration_widths(cfg: SpeculativeConfig) -> list[int]:
+    """The verify widths (tokens per request) a v2 worker runs: ``1 .. num_steps + 1`` with ``adaptive``, else
+    ``num_steps + 1``."""
+    return list(range(1, cfg.num_steps + 2)) if cfg.adaptive else [cfg.num_steps + 1]
+
+
+def program_for_width(fn: Callable, q: int, pass_width: bool) -> Callable:
+    """``fn(*args, q)`` (``fn(*args)`` without ``pass_width``) under a code object of its own, named for ``q``."""
+
+    def program(*args: Any) -> Any:
+        return fn(*args, q) if pass_width else fn(*args)
+
+    name = f"{getattr(fn, '__name__', 'program')}_q{q}"
+    code = program.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, program.__globals__, name, None, program.__closure__)
+
+
+def width_programs(fn: Callable, widths: list[int], compiled: bool, pass_width: bool) -> dict[int, Callable]:
+    """width -> ``fn`` for iterations of that width: ``fn(*args, width)`` where ``pass_width`` (else the width is in
+    the arguments' shapes); compiled (``torch.compile(mode="reduce-overhead", fullgraph=True)``) a program per width
+    with a code object of its own."""
+    if not compiled:
+        return {q: (lambda *args, q=q: fn(*args, q)) if pass_width else fn for q in widths}
+    return {q: torch.compile(program_for_width(fn, q, pass_width), mode="reduce-overhead", fullgraph=True)
+            for q in widths}
+
+
+def loud_recompile_limit() -> contextlib.AbstractContextManager:
+    """A context in which dynamo raises when a function reaches its recompile limit, instead of running it eagerly
+    from then on (start-up: every program is compiled there)."""
+    cfg = torch._dynamo.config
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(cfg, name):
+            return cfg.patch(**{name: True})
+    return contextlib.nullcontext()
+
+
+def capture_widths(worker: "SpecV2Worker", cases: list[tuple[bool, bool]]) -> None:
+    """Start-up: run the worker's iteration for every width and captured batch size with dummy requests only, once
+    per ``(greedy, top-k / top-p)`` case, so that each program compiles and records its CUDA graphs here; a
+    recompile limit reached here fails start-up."""
+    dev = worker.device
+    with loud_recompile_limit():
+        for q in worker.widths:
+            for padded_bs in worker.engine.runner.batch_sizes:
+                rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=dev)
+                zeros = torch.zeros(padded_bs, dtype=torch.int64, device=dev)
+                for greedy, filtered in cases:
+                    temps = torch.full((padded_bs,), 0.0 if greedy else 1.0, device=dev)
+                    top_ps = torch.full_like(temps, 0.9 if filtered else 1.0)
+                    sampling = SamplingBatch(temperatures=temps, top_ps=top_ps, top_ks=zeros, seeds=zeros,
+                                             steps=zeros, all_greedy=greedy, need_top_k_top_p=filtered)
+                    launched = worker._run(ScheduledStep(ForwardMode.DECODE, [], [], []), rows, [q] * padded_bs,
+                                           sampling, q)
+                    launched.result.numpy()
+                    worker._inflight.remove(launched)

@@ -1,0 +1,155 @@
+"""``speculative.adaptive=true`` in speculation v2 (tiny_llama, CPU): the host picks each iteration's verify width
+(1 .. num_steps + 1) and the device runs it.
+
+- version resolution: auto and v2 run n-gram's adaptive depth in v2; a drafter that does not draft on the device
+  falls back to v1 with a reason naming adaptive;
+- lossless: greedy output equals plain decoding and v1 (adaptive and not), overlapped or not, batch 1 and 8;
+- a width of 1 (k = 0, the root alone) is a plain decode step: greedy and seeded sampling give plain decoding's
+  tokens; always the largest width gives the fixed-depth worker's seeded samples (same draws);
+- forced exploration runs every width through the verify forward, costs are measured per (batch size, depth), the
+  metrics report the chosen depths, and the KV contract holds at every width (no page an in-flight iteration may
+  write is freed, nothing leaks, with preemption).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from framework import LLM
+from framework.batch import ForwardMode
+from framework.config import SpeculativeConfig
+from framework.speculative.adaptive import DraftLengthController
+from framework.speculative.version import resolve_version
+from tests.conftest import TINY
+from tests.test_speculative_lossless import items
+
+NGRAM = ["speculative=ngram", "speculative.num_steps=4"]
+ADAPTIVE = NGRAM + ["speculative.adaptive=true"]
+SAMPLED = [dict(it, max_tokens=8, temperature=0.8, seed=i, **({"top_k": 5, "top_p": 0.9} if i % 2 else {}))
+           for i, it in enumerate(items(3))]  # (sampling over tiny_llama's vocabulary is slow on the CPU: few tokens)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=8"]).generate(items())]
+
+
+def test_version_resolution(caplog):
+    with caplog.at_level(logging.INFO, logger="framework.engine"):
+        auto = LLM(TINY + ADAPTIVE)
+        v2 = LLM(TINY + ADAPTIVE + ["speculative.version=v2"])
+    assert auto.engine.spec_version == v2.engine.spec_version == "v2"
+    assert auto.engine.spec_worker.widths == [1, 2, 3, 4, 5]
+    assert not any("running v1" in r.getMessage() for r in caplog.records)
+    assert LLM(TINY + ADAPTIVE + ["speculative.version=v1"]).engine.spec_version == "v1"
+    # (config validation refuses adaptive with model drafters; the resolution still names the reason)
+    version, reason = resolve_version(SpeculativeConfig(name="layer_skip", num_steps=2, adaptive=True))
+    assert version == "v1" and "speculative.adaptive=true" in reason and "layer_skip" in reason
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_equals_plain_and_v1(reference, batch):
+    count = len(reference) if batch > 1 else 3
+    common = [f"scheduler.max_running_requests={batch}"]
+    outs = {}
+    specs = {"v1": ADAPTIVE + ["speculative.version=v1"], "v1 fixed": NGRAM + ["speculative.version=v1"],
+             "v2": ADAPTIVE + ["scheduler.overlap=off"], "v2 overlap": ADAPTIVE + ["scheduler.overlap=on"]}
+    for name, spec in specs.items():
+        llm = LLM(TINY + spec + common)
+        outs[name] = [o.token_ids for o in llm.generate(items(count))]
+        llm.engine.allocator.assert_all_free()
+        if name.startswith("v2"):
+            assert llm.engine.spec_version == "v2"
+            assert len(llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"]) >= 2
+    assert all(o == reference[:count] for o in outs.values()), {k: o == reference[:count] for k, o in outs.items()}
+
+
+def forced(llm: LLM, depth: int) -> LLM:
+    llm.engine.spec_worker.adaptive.choose = lambda bs: depth
+    return llm
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_width_one_is_a_plain_decode_step(reference, page_size):
+    """k = 0 every iteration: the root alone is verified and its bonus token is the next token, greedy and sampled
+    (the same draw as plain decoding's: no draft, so no acceptance draws)."""
+    common = ["scheduler.max_running_requests=8", f"kv.page_size={page_size}"]
+    llm = forced(LLM(TINY + ADAPTIVE + common), 0)
+    assert [o.token_ids for o in llm.generate(items())] == reference
+    if page_size == 1:
+        plain = [o.token_ids for o in LLM(TINY + common).generate(SAMPLED)]
+        assert [o.token_ids for o in llm.generate(SAMPLED)] == plain
+    assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"0"}
+    llm.engine.allocator.assert_all_free()
+
+
+def test_largest_width_samples_as_the_fixed_depth_worker():
+    """Always k = num_steps: the same iterations and draws as speculative.adaptive=false, so the same samples."""
+    common = ["scheduler.max_running_requests=8"]
+    fixed = [o.token_ids for o in LLM(TINY + NGRAM + common).generate(SAMPLED)]
+    llm = forced(LLM(TINY + ADAPTIVE + common), 4)
+    assert [o.token_ids for o in llm.generate(SAMPLED)] == fixed
+    assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"4"}
+
+
+def test_forced_exploration_runs_every_width_within_the_kv_contract(reference, monkeypatch):
+    small = ["kv.page_size=1", "scheduler.max_context=64", "kv.max_total_tokens=150"]  # preemption too
+    llm = LLM(TINY + ADAPTIVE + small + ["scheduler.max_running_requests=8", "scheduler.overlap=on"])
+    engine, alloc, worker = llm.engine, llm.engine.allocator, llm.engine.spec_worker
+    worker.adaptive = DraftLengthController(4, explore_every=2)  # every other iteration tries the next depth
+    widths, truncate, forward = [], alloc.truncate, engine.runner.forward
+
+    def checked_truncate(row, num_tokens):
+        req = next(r for r in engine.scheduler.running if r.row == row)
+        if req.spec_inflight:  # an in-flight iteration of any width writes positions below kv_len + num_steps + 1
+            assert num_tokens >= req.kv_len + 5, (row, num_tokens, req.kv_len)
+        truncate(row, num_tokens)
+        alloc.check_invariants()
+
+    def spy(batch, *args, **kwargs):
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            widths.append(batch.q_len)
+        return forward(batch, *args, **kwargs)
+
+    monkeypatch.setattr(alloc, "truncate", checked_truncate)
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    assert [o.token_ids for o in llm.generate(items())] == \
+        [o.token_ids for o in LLM(TINY + small + ["scheduler.max_running_requests=8"]).generate(items())]
+    assert engine.scheduler.num_preemptions > 0
+    alloc.assert_all_free()
+    assert set(widths) == {1, 2, 3, 4, 5}
+    depths = worker.stats.summary()["chosen_draft_lengths"]
+    assert depths.keys() == {"0", "1", "2", "3", "4"} and sum(depths.values()) == len(widths)
+    assert {k for _, k in worker.adaptive.cost} == {0, 1, 2, 3, 4} and min(worker.adaptive.cost.values()) > 0
+
+
+def test_each_width_compiles_apart_with_its_width_a_constant():
+    """The compiled programs' mechanism (speculation v2 on CUDA; here with dynamo's eager backend): a code object per
+    width, so every width keeps its width static and adds only its batch-size families (size 1, then a dynamic
+    size), instead of turning the width into a symbolic size and sharing one recompile limit."""
+    import torch
+
+    from framework.speculative.adaptive_v2 import program_for_width
+
+    def program(rows: torch.Tensor, q: int) -> torch.Tensor:
+        return rows[:, None] * q + torch.arange(q)[None, :]  # [bs, q]
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = {q: torch.compile(program_for_width(program, q, pass_width=True), backend=backend, fullgraph=True)
+                for q in range(1, 6)}
+    for q in range(1, 6):
+        for bs in (1, 2, 4, 8):
+            rows = torch.arange(bs)
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            assert torch.equal(compiled[q](rows), program(rows, q))
+    assert len(graphs) == 10  # widths x (batch size 1, a dynamic batch size)
+    # each width: rows [1], then (the batch size, rows [s]); a symbolic width would be one more input
+    assert [len(inputs) for inputs in graphs] == [1, 2] * 5
