@@ -253,6 +253,7 @@ class SpecV2Worker:
                 alloc.truncate(req.row, keep)
                 self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
         self._account(lens[: len(launched.step.reqs)], launched.events)
+        self.drafter.on_finished(finished)
         return finished
 
     def _account(self, lens: list[int], events: Optional[list[torch.cuda.Event]]) -> None:
