@@ -50,12 +50,14 @@ def _source_chains(text: torch.Tensor, age: torch.Tensor, query: torch.Tensor, l
     bs, lm = query.shape
     n = text.shape[1]
     dev = text.device
+    query = torch.where(query == SEP, torch.full_like(query, SEP - 1), query)  # (matches nothing in text)
     run = torch.ones(bs, n, dtype=torch.bool, device=dev)
-    match = torch.zeros(bs, n, dtype=torch.int64, device=dev)  # [bs, n] matched suffix length ending at j
-    for i in range(lm):  # text[j - i] against the request's token i from the end
-        want = query[:, i:i + 1]  # [bs, 1]
-        run = run & (torch.roll(text, i, dims=1) == want) & (want != SEP)
-        match = match + run
+    match = torch.zeros(bs, n, dtype=torch.int32, device=dev)  # [bs, n] matched suffix length ending at j
+    ring = torch.cat([text[:, n - lm:], text], dim=1) if lm <= n else text.repeat(1, lm // n + 2)[:, -(n + lm):]
+    for i in range(lm):  # text[j - i] (ring[lm + j - i]) against the request's token i from the end
+        run &= ring[:, lm - i: lm - i + n] == query[:, i:i + 1]
+        match += run
+    match = match.to(torch.int64)
     following = torch.roll(text, -1, dims=1)  # [1 or bs, n] the token after j
     candidate = (match >= 1) & (following != SEP)
     score = torch.where(candidate, match * n + age, torch.full_like(match, -1))
