@@ -19,7 +19,8 @@ Differences from v1's host drafts (documented where they can show):
   among equals): exact where a suffix occurred at most that often, a sample of its best matches otherwise;
 - after evictions, equal counts may break differently (v1 keeps a surviving child's original insertion order);
 - a request's own tokens are the device's (no lag); finished requests join the corpus when the host applies their
-  last iteration, which an already queued iteration does not see.
+  last iteration, which an already queued iteration does not see; requests aborted while running do not join it;
+- the corpus budget counts slots: a request's tokens and its separator.
 
 Everything is fixed-shape tensor work (no host synchronisation), so it runs inside the iteration's CUDA graph and,
 the same code, eagerly on the CPU. :func:`suffix_chain_reference` is the plain host reference (lists, brute force).
