@@ -31,6 +31,8 @@ CHAIN = ["speculative.topk=1", "speculative.num_draft_tokens=0"]  # (suffix's ya
 def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
+    if drafter == "suffix":  # its drafts depend on when finished requests join the corpus, which differs between
+        reqs = [r for r in reqs if "seed" not in r]  # v1 and v2, and a seeded sample depends on the drafts
     common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4",
               "speculative.draft_model=smollm2_135m_random", *CHAIN)
     v2 = LLM(cuda_overrides(*common, "speculative.version=v2"))

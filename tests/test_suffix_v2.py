@@ -53,6 +53,7 @@ def device_drafts(knobs: dict, corpus: SuffixCorpus, history: torch.Tensor, lens
     drafts, valid = suffix_chain_device(history, lens, corpus.tokens, corpus.start, torch.tensor(limits),
                                         knobs["num_steps"], knobs["min_prob"], max_occurrences)
     assert drafts.shape == valid.shape == (history.shape[0], knobs["num_steps"]) and drafts.dtype == torch.int64
+    assert bool((drafts >= 0).all())  # token ids even where invalid: the verify forward embeds them
     assert torch.equal(valid, torch.cummin(valid.to(torch.int64), dim=1).values.bool())  # a prefix of each row
     return [d[v].tolist() for d, v in zip(drafts, valid)]
 

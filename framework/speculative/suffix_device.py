@@ -130,7 +130,8 @@ def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optio
     rows = torch.arange(bs, device=dev)
     drafts = tokens[rows, best]  # [bs, num_steps]
     ok = valid[rows, best] & (score[rows, best] > 0)[:, None]
-    return drafts.to(torch.int64), ok
+    # the verify forward embeds every node and sampling gathers at each draft: no SEP there, even where invalid
+    return torch.where(ok, drafts, torch.zeros_like(drafts)).to(torch.int64), ok
 
 
 def suffix_chain_reference(tokens: list[int], corpus: list[list[int]], num_steps: int, max_depth: int,
