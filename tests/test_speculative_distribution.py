@@ -1,7 +1,8 @@
 """Sampling is lossless: with temperature > 0 the tokens speculative decoding emits have exactly the target's
 distribution. A tiny-vocabulary model (8 tokens) makes the exact distribution enumerable; 20k seeded requests
 give the empirical one; a chi-square test compares them (chain with sampled drafts, tree with top-k drafts,
-n-gram chains in speculation v2 and v1, suffix trees in v1 and chains in v2), and the same test rejects a deliberately broken verifier."""
+n-gram chains in speculation v2 and v1, suffix trees in v1 and chains in v2), and the same test rejects a
+deliberately broken verifier."""
 
 from __future__ import annotations
 
