@@ -7,6 +7,7 @@ to plain decoding.
     .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
     .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram ngram_adaptive suffix_adaptive
     .venv/bin/python bench/bench_drafters_cpu.py --batch 32 --copies 4 --prompts bench/prompts/open.jsonl
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix_chain suffix_v2  # v2 (device)
     .venv/bin/python bench/bench_drafters_cpu.py --compile eager --limit 4 --max-tokens 64 \
         --drafters none layer_skip layer_skip_search layer_skip_search_spread      # self-speculation
 
@@ -32,6 +33,11 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
          "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
+         # suffix chains (topk=1): the v1 iteration on the host's trees, and v2 drafting on the device
+         "suffix_chain": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
+                          "speculative.num_steps=5", "speculative.version=v1"],
+         "suffix_v2": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
+                       "speculative.num_steps=5", "speculative.version=v2"],
          # self-speculation: a fixed early exit (the first 24 of 30 layers), its kept layers searched from that
          # start (skip_search), and the search from its own evenly spaced start (skip_ratio 0.2: 24 layers too)
          "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24"],

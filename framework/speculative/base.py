@@ -115,6 +115,9 @@ class Drafter:
     def warmup(self) -> None:
         """Compile the drafter's own graphs ahead of serving (model drafters)."""
 
+    def on_finished(self, reqs: list["Request"]) -> None:
+        """v2: the host has applied the last iteration of ``reqs`` (finished); their tokens are final."""
+
     def propose(self, ctx: SpecContext) -> "DraftTree | None":
         """The draft tree for ``ctx.reqs``, or None when nothing could be drafted for any of them."""
         raise NotImplementedError

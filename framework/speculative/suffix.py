@@ -9,7 +9,11 @@ the path), keeping nodes of probability at least ``min_token_prob``, at most ``t
 ``num_steps`` deep. The draft size follows the match: at most ``max_spec_factor * match_length +
 max_spec_offset`` tokens (and ``num_draft_tokens - 1``). Every matched suffix length of both trees drafts, and
 the draft with the largest expected number of accepted tokens (the sum of its path probabilities) wins. No model
-forward; runs in the v1 iteration (v2 needs drafts made on the device).
+forward.
+
+Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
+(:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
+(:class:`SuffixCorpus`, ``suffix_cache_tokens`` slots), which the v2 worker feeds as it applies their last iteration.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import heapq
 from collections import deque
 from typing import Optional
 
+import torch
+
 from framework.config import SpeculativeConfig
 from framework.request import Request
 from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, Drafter, SpecContext
+from framework.speculative.suffix_corpus import SuffixCorpus
+from framework.speculative.suffix_device import chain_limits, suffix_chain_device
 from framework.speculative.tree import host_tree
 
 
@@ -141,9 +149,13 @@ class SuffixState:
 @DRAFTERS.register("suffix")
 class SuffixDrafter(Drafter):
     name = "suffix"
+    drafts_on_device = drafts_in_v2 = True  # chains: suffix_chain_device (speculation v2)
+    v2_by_default = False  # (not yet run on a GPU: speculative.version=auto keeps v1)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
+        self.device = torch.device(engine.device)
+        self.corpus: Optional[SuffixCorpus] = None  # v2: finished requests' tokens on the device
         self.max_children = cfg.topk
         self.global_tree = SuffixTree(cfg.suffix_max_depth)
         self._cached: deque[list[int]] = deque()  # sequences in the global tree, oldest first
@@ -174,6 +186,28 @@ class SuffixDrafter(Drafter):
             else:
                 live.append(req)
         self._live = live
+
+    # ---- speculation v2 -------------------------------------------------------------------------------
+    def use_v2(self) -> None:
+        super().use_v2()
+        cfg = self.cfg
+        limits = chain_limits(cfg.num_steps, cfg.suffix_max_depth, cfg.max_spec_factor, cfg.max_spec_offset)
+        self._limits = torch.tensor(limits, dtype=torch.int64, device=self.device)  # [suffix_max_depth - 1]
+        if self.device.type == "cuda":
+            torch._dynamo.mark_static_address(self._limits)
+        if cfg.suffix_cache_tokens >= 2:
+            self.corpus = SuffixCorpus(cfg.suffix_cache_tokens, self.device)
+
+    def propose_device(self, history: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain drafts ``[bs, num_steps]`` and their validity from the token histories and the corpus (v2)."""
+        corpus = self.corpus
+        return suffix_chain_device(history, lens, corpus.tokens if corpus else None, corpus.start if corpus else None,
+                                   self._limits, self.cfg.num_steps, self.cfg.min_token_prob)
+
+    def on_finished(self, reqs: list[Request]) -> None:
+        """v2: requests whose last iteration was applied join the corpus (as :meth:`_retire_finished`, v1)."""
+        if self.corpus is not None:
+            self.corpus.add([r.prompt_ids + r.output_ids for r in reqs if r.finish_reason != "error"])
 
     # ---- drafting -------------------------------------------------------------------------------------
     def _state(self, req: Request) -> SuffixState:

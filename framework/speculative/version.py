@@ -24,7 +24,8 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
     if cfg.topk > 1:
         return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
     if not getattr(DRAFTERS.get(cfg.name), "drafts_in_v2", False):
-        return f"speculative={cfg.name} does not run in v2 (v2 runs: ngram, layer_skip, draft_model, eagle, mtp)"
+        return (f"speculative={cfg.name} does not run in v2 (v2 runs: ngram, suffix, layer_skip, draft_model, eagle, "
+                f"mtp)")
     return None
 
 

@@ -264,6 +264,7 @@ class SpecV2Worker:
         seconds = self._account(lens[:bs], launched)
         if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
             record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds)
+        self.drafter.on_finished(finished)
         return finished
 
     def _account(self, lens: list[int], launched: SpecLaunched) -> float:
