@@ -6,7 +6,7 @@ mode and in deterministic mode at each batch size, with ``context`` tokens in ev
     python3 bench/bench_deterministic.py --modes deterministic --tiles 16,32,256,4,4 16,64,128,4,4 -- ...
 
 One engine per mode (and per ``--tiles`` entry: ``tfs::det_matmul``'s (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) on
-CUDA, tfs_kernels/det_matmul.py CUDA_TILE) serves every batch size; extra Hydra overrides go after ``--``.
+CUDA, tfs_kernels/det_matmul.py CUDA_TILE, for every shape class) serves every batch size; extra Hydra overrides go after ``--``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def decode_batch(engine, bs: int, context: int, first_rid: int):
 
 
 def time_mode(args: argparse.Namespace, deterministic: bool, tile: tuple | None) -> dict[int, float]:
-    if tile is not None:
-        det_matmul.CUDA_TILE = tile
+    if tile is not None:  # every shape class
+        det_matmul.CUDA_TILE, det_matmul.CUDA_TILES = tile, {}
     sizes = ",".join(map(str, sorted(set(args.batch))))
     llm = LLM([f"model={args.model}", "model.device=cuda", "compile=reduce_overhead",
                f"model.deterministic={str(deterministic).lower()}", f"scheduler.max_running_requests={max(args.batch)}",
@@ -86,7 +86,7 @@ def main() -> None:
         rows.append(("default", time_mode(args, False, None)))
     if "deterministic" in args.modes:
         for tile in [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]:
-            rows.append((f"deterministic {tile or det_matmul.CUDA_TILE}", time_mode(args, True, tile)))
+            rows.append((f"deterministic {tile or 'default tiles'}", time_mode(args, True, tile)))
     base = rows[0][1]
     print(f"\n{args.model}, decode forward ms (CUDA graph replay), context {args.context}, "
           f"{torch.cuda.get_device_name()}")

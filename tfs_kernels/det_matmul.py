@@ -28,12 +28,16 @@ import triton.language as tl
 
 from tfs_kernels.det_rmsnorm import det_rmsnorm_reference
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
+from tfs_kernels.gemv import launch_class
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA. BLOCK_M 16: the smallest tensor-core tile, so that a
 # decode forward of a few rows wastes little; BLOCK_N 32: enough programs to stream a 4096-wide layer's weights from
 # every SM at one row (128 programs); BLOCK_K 256 with 4 stages keeps 64 KB of weights in flight per program. Any
-# constant choice is batch-invariant; these are a starting point for bench/bench_gpu_decode.py, not tuned.
+# choice that depends on the weight's shape only (never on M) is batch-invariant: CUDA_TILES holds one per shape
+# class of tfs_kernels.gemv.launch_class (tall, square, wide, very_wide, vocab), from bench/tune_det_matmul.py;
+# a class without an entry takes CUDA_TILE (not tuned yet).
 CUDA_TILE = (16, 32, 256, 4, 4)
+CUDA_TILES: dict[str, tuple[int, int, int, int, int]] = {}
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
 
 
@@ -88,6 +92,11 @@ def _det_matmul_kernel(
     tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
 
 
+def cuda_tile(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The CUDA tile of a ``[N, K]`` weight: by its shape class, never by the row count."""
+    return CUDA_TILES.get(launch_class(1, n, k), CUDA_TILE)
+
+
 @torch.library.custom_op("tfs::det_matmul", mutates_args=())
 def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                   out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
@@ -105,7 +114,7 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     torch._check(norm_weight is None or not silu_mul, lambda: "det_matmul: norm_weight with silu_mul")
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
-    block_m, block_n, block_k, warps, stages = CUDA_TILE if x.is_cuda else INTERPRET_TILE
+    block_m, block_n, block_k, warps, stages = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
     grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
     _det_matmul_kernel[grid](
         x, w, out, residual if has_res else out, w if norm_weight is None else norm_weight, m, n, k, eps,
