@@ -24,7 +24,8 @@ iteration and the iteration's GPU time from CUDA events (speculation v2).
 
 - ``8b``: ``llama3_8b_random`` (Llama-3-8B's shape, random weights), the prompts of bench/prompts/grounded.jsonl
   repeated to max(8, BATCH) requests, 256 new tokens each with ``ignore_eos``.
-- ``smollm2``: the real SmolLM2-135M GGUF, bench/prompts/grounded.jsonl repeated ``--repeat`` times, greedy, each
+- ``smollm2``: the real SmolLM2-135M GGUF, bench/prompts/grounded.jsonl (``--prompts open``: open.jsonl) repeated
+  ``--repeat`` times (at least enough to fill BATCH), greedy, each
   prompt's own ``max_tokens`` (requests end at EOS).
 - ``smollm2_random``: SmolLM2's shape with random weights, like ``8b``.
 - ``dsa``: ``dsa_small_random`` (DeepSeek-V3.2's MLA and indexer shapes) with ``attention=nsa``, like ``8b``; with
@@ -64,7 +65,7 @@ from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.worker import SpecStats  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
-GROUNDED = ROOT / "bench" / "prompts" / "grounded.jsonl"
+PROMPTS = ROOT / "bench" / "prompts"  # grounded.jsonl, open.jsonl (--prompts)
 MODELS = {"8b": "llama3_8b_random", "smollm2": "smollm2_135m", "smollm2_random": "smollm2_135m_random",
           "dsa": "dsa_small_random"}
 ATTENTION = {"dsa": "nsa"}  # the attention backend of each model (default: triton)
@@ -72,17 +73,18 @@ DEFAULT_CASES = ["8b:1", "8b:8", "8b:64", "smollm2:1", "smollm2:8"]
 
 
 def case_items(model: str, batch: int, new_tokens: int, repeat: int, max_tokens: int = 0,
-               prompt_tokens: int = 0) -> list[dict]:
+               prompt_tokens: int = 0, prompt_set: str = "grounded") -> list[dict]:
     n = max(8, batch)
-    prompts = read_prompts(str(GROUNDED))
+    prompts = read_prompts(str(PROMPTS / f"{prompt_set}.jsonl"))
     if prompt_tokens and model != "smollm2":  # a long context: the grounded prompts' text, repeated (~4 chars/token)
         text = " ".join(p.get("prompt") or p["messages"][-1]["content"] for p in prompts if isinstance(p, dict))
         text = text * (4 * prompt_tokens // len(text) + 2)
         return [{"id": i, "prompt": text[7 * i:7 * i + 4 * prompt_tokens], "max_tokens": new_tokens,
                  "ignore_eos": True} for i in range(n)]
-    if model == "smollm2":
+    if model == "smollm2":  # at least enough copies to fill the batch
         fixed = {"max_tokens": max_tokens} if max_tokens else {}
-        return [dict(p, id=f"{p['id']}-{r}", **fixed) for r in range(repeat) for p in prompts]
+        copies = max(repeat, -(-batch // len(prompts)))
+        return [dict(p, id=f"{p['id']}-{r}", **fixed) for r in range(copies) for p in prompts]
     return [dict(prompts[i % len(prompts)], id=i, max_tokens=new_tokens, ignore_eos=True) for i in range(n)]
 
 
@@ -115,8 +117,8 @@ def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
 
 
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
-             profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0) -> dict:
-    items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens)
+             profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded") -> dict:
+    items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens, prompt_set)
     engine.scheduler.cfg.max_running_requests = batch
     engine.overlap = overlap == "on"
     engine.stats = EngineStats()
@@ -170,7 +172,10 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="MODEL:BATCH, MODEL in " + ", ".join(MODELS))
     ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per request of the random-weight cases")
-    ap.add_argument("--repeat", type=int, default=4, help="copies of the grounded prompts for the smollm2 cases")
+    ap.add_argument("--repeat", type=int, default=4,
+                    help="copies of the prompts for the smollm2 cases (more where the batch needs them)")
+    ap.add_argument("--prompts", choices=["grounded", "open"], default="grounded",
+                    help="bench/prompts/<NAME>.jsonl: input-grounded or open-ended chat prompts")
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="smollm2 cases: max_tokens of every request (default: each prompt's own)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
@@ -202,7 +207,7 @@ def main() -> None:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
                 rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
-                                     args.profile, args.max_tokens, args.prompt_tokens))
+                                     args.profile, args.max_tokens, args.prompt_tokens, args.prompts))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del engine
         torch.cuda.empty_cache()
