@@ -31,6 +31,7 @@ from framework import LLM  # noqa: E402
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], "suffix": ["speculative=suffix"],
          "ngram3": ["speculative=ngram", "speculative.num_steps=3"],
+         "ngram1": ["speculative=ngram", "speculative.num_steps=1"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
          # suffix chains (topk=1): the v1 iteration on the host's trees, and v2 drafting on the device
