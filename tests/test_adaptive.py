@@ -29,27 +29,43 @@ def feed(ctl: DraftLengthController, bs: int, accept_depth: int, cost, rounds: i
 def test_picks_the_depth_with_the_most_tokens_per_second():
     ctl = DraftLengthController(max_depth=4, explore_every=0)
     chosen = feed(ctl, 8, accept_depth=2, cost=lambda k: 1.0 + 0.1 * k, rounds=30)
-    assert sorted(chosen[:5]) == [0, 1, 2, 3, 4]  # every depth measured once first
-    assert set(chosen[5:]) == {2}  # 3 tokens for 1.2 s beats 2 tokens / 1.1 s and 3 tokens / 1.3 s
+    assert chosen[:2] == [4, 0]  # the deepest drafts first (every position's acceptance), then a plain step
+    assert set(chosen[2:]) == {2}  # 3 tokens for 1.2 s beats 2 tokens / 1.1 s and 3 tokens / 1.3 s
+    assert ctl.estimated_cost(8, 2) == pytest.approx(1.2)  # interpolated between depths 0 and 4
     assert ctl.expected_tokens(4) == pytest.approx(3.0)
 
 
 def test_plain_decoding_when_drafts_do_not_pay():
     ctl = DraftLengthController(max_depth=4, explore_every=0)
     chosen = feed(ctl, 32, accept_depth=0, cost=lambda k: 1.0 + 0.5 * k, rounds=20)
-    assert set(chosen[5:]) == {0}
+    assert set(chosen[2:]) == {0}
+
+
+def test_a_batch_size_takes_another_ones_relative_cost():
+    """Depth 3 measured only at batch 1 (1.2x a plain step there): at batch 32, whose plain step costs 4.0, it is
+    estimated at 1.2x that, not at batch 1's absolute cost, and the depths between are interpolated."""
+    ctl = DraftLengthController(max_depth=3, explore_every=0)
+    ctl.record(1, 3, [4], 1.2)
+    ctl.record(1, 0, [1], 1.0)
+    ctl.record(32, 0, [1] * 32, 4.0)
+    assert ctl.estimated_cost(32, 3) == pytest.approx(4.8)
+    assert ctl.estimated_cost(32, 1) == pytest.approx(4.0 + 0.8 / 3)
+    assert ctl.estimated_cost(20, 3) == pytest.approx(4.8)  # nothing measured at 20: as at the nearest, 32
 
 
 def test_costs_are_per_batch_size_and_exploration_follows_a_changing_workload():
     ctl = DraftLengthController(max_depth=3, explore_every=4, decay=0.9)
     early = feed(ctl, 1, accept_depth=3, cost=lambda k: 1.0, rounds=40)  # batch 1: drafts are free and accepted
-    chosen = [k for i, k in enumerate(early, start=1) if i % 4 != 1]  # (iterations 1, 5, 9, ... explore)
-    assert set(chosen[4:]) == {3}  # after each depth's first measurement
-    assert ctl.cost.keys() >= {(1, k) for k in range(4)} and not any(bs == 8 for bs, _ in ctl.cost)
+    assert early[:2] == [3, 0] and early[2:].count(3) == 38 - 3
+    # explorations 4, 8 and 16 iterations apart (iterations 7, 15, 31: the gap doubles), each at a neighbour
+    assert [(i + 1, k) for i, k in enumerate(early) if k != 3][1:] == [(7, 2), (15, 2), (31, 2)]
+    assert ctl.cost.keys() == {(1, 0), (1, 2), (1, 3)}
     assert ctl.estimated_cost(8, 2) == ctl.cost[(1, 2)]  # an unmeasured batch size: the nearest measured one's
+    assert ctl.estimated_cost(8, 1) == pytest.approx(1.0)  # an unmeasured depth: between depths 0 and 2
     late = feed(ctl, 1, accept_depth=0, cost=lambda k: 1.0 + k, rounds=80)  # then nothing is accepted any more
     assert late[-3:].count(0) >= 2  # back to plain steps (one in four explores)
-    assert ctl.expected_tokens(3) < 2.0  # (it was 4: the old observations decay)
+    assert ctl.expected_tokens(3) < 2.0  # (it was 4: the old observations decay, the deeper ones with them)
+    assert max(late[-20:]) <= 1  # exploring next to the best depth: never the deepest drafts again
 
 
 @pytest.mark.parametrize("drafter", [["speculative=ngram", "speculative.num_steps=4"],

@@ -94,11 +94,19 @@ def test_largest_width_samples_as_the_fixed_depth_worker():
     assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"4"}
 
 
+class CycleDepths(DraftLengthController):
+    """Every depth in turn, the deepest first (the KV contract at every width, whatever the policy would pick)."""
+
+    def choose(self, bs: int) -> int:
+        self.iterations += 1
+        return (self.max_depth + 1 - self.iterations) % (self.max_depth + 1)
+
+
 def test_forced_exploration_runs_every_width_within_the_kv_contract(reference, monkeypatch):
     small = ["kv.page_size=1", "scheduler.max_context=64", "kv.max_total_tokens=150"]  # preemption too
     llm = LLM(TINY + ADAPTIVE + small + ["scheduler.max_running_requests=8", "scheduler.overlap=on"])
     engine, alloc, worker = llm.engine, llm.engine.allocator, llm.engine.spec_worker
-    worker.adaptive = DraftLengthController(4, explore_every=2)  # every other iteration tries the next depth
+    worker.adaptive = CycleDepths(4)
     widths, truncate, forward = [], alloc.truncate, engine.runner.forward
 
     def checked_truncate(row, num_tokens):

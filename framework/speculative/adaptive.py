@@ -3,11 +3,17 @@
 For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step) the expected tokens a request
 emits are ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of requests that accepted at least
 ``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft count as misses); the cost
-``T(bs, k)`` is the measured wall time of such iterations (an exponential average per batch size and depth). The
+``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth). The
 controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. A batch size not measured at a
-depth takes the nearest measured batch size's cost; depths never measured are tried once each, and every
-``explore_every``-th iteration tries the depths in turn, so acceptance at the deeper positions and the cost of
-every depth stay current as the workload changes (both decay).
+depth takes the nearest measured batch size's cost, scaled by the two batch sizes' costs at a depth measured at
+both, and a depth not measured takes the cost interpolated between the measured depths around it. The first iterations measure two depths: the deepest first (it measures the
+acceptance of every position at once), then plain steps. Every so often the controller explores a neighbour of its choice, one deeper
+and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
+the workload changes (both decay) and the choice can climb or fall a depth at a time. Explorations start
+``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while the choice holds; a new
+choice resets it. Exploring costs little: a neighbour's iteration is never far from the best one, and rarely run
+where the choice is stable (trying every depth in turn at a fixed rate spent whole iterations at the deepest drafts
+where speculation did not pay).
 """
 
 from __future__ import annotations
@@ -16,43 +22,96 @@ from __future__ import annotations
 class DraftLengthController:
     """Chooses ``k`` in ``0 .. max_depth`` per iteration; :meth:`record` feeds back what the iteration gave."""
 
-    def __init__(self, max_depth: int, explore_every: int = 16, decay: float = 0.995, cost_alpha: float = 0.2) -> None:
+    def __init__(self, max_depth: int, explore_every: int = 16, decay: float = 0.995, cost_alpha: float = 0.2,
+                 max_explore_gap: int = 256) -> None:
         self.max_depth = max_depth
         self.explore_every = explore_every
+        self.max_explore_gap = max_explore_gap
         self.decay = decay
         self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
         self.cost: dict[tuple[int, int], float] = {}  # (bs, k) -> seconds per iteration
+        self._by_bs: dict[int, dict[int, float]] = {}  # the same, bs -> {k: seconds}
         self.iterations = 0
+        self.explorations = 0
+        self._best: int | None = None  # the model's last choice
+        self._gap = explore_every  # iterations between explorations: doubles while the choice holds
+        self._next_explore = explore_every
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a request emits per iteration at depth ``k`` (unmeasured depths: optimistic 1)."""
-        return 1.0 + sum(self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0 for d in range(1, k + 1))
+        """E(k): tokens a request emits per iteration at depth ``k``. ``r_d`` is capped by ``r_(d-1)`` (accepting d
+        drafts means accepting d - 1), also where it was measured longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        total, rate = 1.0, 1.0
+        for d in range(1, k + 1):
+            rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
+            total += rate
+        return total
 
     def choose(self, bs: int) -> int:
         self.iterations += 1
-        if self.explore_every > 0 and self.iterations % self.explore_every == 1:
-            turn = (self.iterations // self.explore_every) % (self.max_depth + 1)
-            return self.max_depth - turn  # max_depth first: it measures the acceptance of every depth
-        costs = [self.estimated_cost(bs, k) for k in range(self.max_depth + 1)]
-        for k in range(self.max_depth, -1, -1):
-            if costs[k] is None:
+        for k in (self.max_depth, 0):  # the deepest first (every position's acceptance at once), then plain steps
+            if self.measured_cost(bs, k) is None:
                 return k
-        return max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / costs[k])
+        costs = self.costs(bs)
+        best = max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / costs[k])
+        if self.explore_every <= 0:
+            return best
+        if best != self._best:  # a new choice: explore around it at the base rate again
+            self._best, self._gap = best, self.explore_every
+            self._next_explore = self.iterations + self._gap
+        if self.iterations < self._next_explore:
+            return best
+        self._gap = min(2 * self._gap, self.max_explore_gap)
+        self._next_explore = self.iterations + self._gap
+        self.explorations += 1
+        deeper = self.explorations % 2 == 1
+        return best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
+
+    def measured_cost(self, bs: int, k: int) -> float | None:
+        """T(bs, k) measured at this batch size (where nothing was: at the nearest batch size measured); else the
+        nearest batch size's T(b, k), scaled by T(bs, d) / T(b, d) at a depth ``d`` measured at both (the nearest to
+        ``k``: the ratio of two depths' costs changes slowly with the batch size, the costs themselves do not), or
+        unscaled where there is none. None: depth ``k`` never measured."""
+        if not self._by_bs:
+            return None
+        if bs not in self._by_bs:
+            bs = min(self._by_bs, key=lambda b: abs(b - bs))
+        here = self._by_bs[bs]
+        if k in here:
+            return here[k]
+        others = sorted((b for b, costs in self._by_bs.items() if k in costs), key=lambda b: abs(b - bs))
+        for b in others:
+            common = [d for d in here if d in self._by_bs[b]]
+            if common:
+                d = min(common, key=lambda d: abs(d - k))
+                return self._by_bs[b][k] * here[d] / self._by_bs[b][d]
+        return self._by_bs[others[0]][k] if others else None
+
+    def costs(self, bs: int) -> list[float | None]:
+        """T(bs, k) for every depth: :meth:`measured_cost`, else interpolated linearly in ``k`` between the nearest
+        such depths below and above (None: no such pair)."""
+        known = {d: c for d in range(self.max_depth + 1) if (c := self.measured_cost(bs, d)) is not None}
+        out: list[float | None] = []
+        for k in range(self.max_depth + 1):
+            below, above = [d for d in known if d <= k], [d for d in known if d >= k]
+            if not below or not above:
+                out.append(None)
+                continue
+            lo, hi = max(below), min(above)
+            out.append(known[lo] if lo == hi else known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo))
+        return out
 
     def estimated_cost(self, bs: int, k: int) -> float | None:
-        """T(bs, k): measured at this batch size, else at the nearest one measured (None: never measured)."""
-        if (bs, k) in self.cost:
-            return self.cost[(bs, k)]
-        near = [b for b, d in self.cost if d == k]
-        return self.cost[(min(near, key=lambda b: abs(b - bs)), k)] if near else None
+        """T(bs, k) as :meth:`costs` gives it."""
+        return self.costs(bs)[k]
 
     def record(self, bs: int, k: int, emitted: list[int], seconds: float) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``."""
         key = (bs, k)
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else (1 - self.cost_alpha) * old + self.cost_alpha * seconds
+        self._by_bs.setdefault(bs, {})[k] = self.cost[key]
         if k == 0:
             return
         for d in range(1, self.max_depth + 1):
