@@ -98,14 +98,14 @@ class SpecV2Worker:
         positions ``[bs * q]``, slots ``[bs, q]``, seq_lens, committed lengths and sampling steps ``[bs]``."""
         table = self.engine.allocator.req_to_token
         lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
-        history = self.history.tokens[rows]  # [bs, width]
-        if self.drafter.drafts_on_device:
+        root = self.history.tokens[rows[:, None], (lens - 1)[:, None]]  # [bs, 1]
+        if self.drafter.drafts_on_device and q > 1:  # (q == 1, adaptive's plain step: no drafting at all)
+            history = self.history.tokens[rows]  # [bs, width]
             drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
             drafts, valid = drafts[:, : q - 1], valid[:, : q - 1]  # [bs, q - 1]: the first q - 1 of the chain
         else:  # a model drafter fills them in with its own forwards
             drafts = torch.zeros(rows.shape[0], q - 1, dtype=torch.int64, device=rows.device)
             valid = torch.ones_like(drafts, dtype=torch.bool)
-        root = torch.gather(history, 1, (lens - 1)[:, None])
         tokens = torch.cat([root, drafts], dim=1).to(torch.int64)
         valid = torch.cat([torch.ones_like(root, dtype=torch.bool), valid], dim=1)  # (root: [bs, 1])
         committed = lens - 1  # the root's position: its K/V is written by this forward
