@@ -7,8 +7,9 @@ emits are ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of 
 controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. A batch size not measured at a
 depth takes the nearest measured batch size's cost, scaled by the two batch sizes' costs at a depth measured at
 both, and a depth not measured takes the cost interpolated between the measured depths around it. The first iterations measure two depths: the deepest first (it measures the
-acceptance of every position at once), then plain steps. Every so often the controller explores a neighbour of its choice, one deeper
-and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
+acceptance of every position at once), then plain steps. Every so often the controller explores: a depth never measured, the nearest
+to its choice first (interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1
+did), else a neighbour of its choice, one deeper and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
 the workload changes (both decay) and the choice can climb or fall a depth at a time. Explorations start
 ``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while the choice holds; a new
 choice resets it. Exploring costs little: a neighbour's iteration is never far from the best one, and rarely run
@@ -65,6 +66,9 @@ class DraftLengthController:
         self._gap = min(2 * self._gap, self.max_explore_gap)
         self._next_explore = self.iterations + self._gap
         self.explorations += 1
+        unmeasured = [k for k in range(self.max_depth + 1) if self.measured_cost(bs, k) is None]
+        if unmeasured:  # an interpolated cost may hide a better depth: measure the one nearest the choice
+            return min(unmeasured, key=lambda k: (abs(k - best), k))
         deeper = self.explorations % 2 == 1
         return best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
 
