@@ -19,6 +19,7 @@ from framework import LLM
 from framework.batch import ForwardMode
 from tfs_kernels.dispatch import interpreter_active
 from tests.conftest import TINY
+from tests.test_adaptive_v2 import CycleDepths
 from tests.test_attention_sdpa import run_case
 from tests.test_engine import PROMPTS
 from tests.kernel_checks import ROOT, run_interpreted
@@ -94,9 +95,11 @@ SPEC = {"ngram-chain": ["speculative=ngram", "speculative.num_steps=4"],
 
 def spec_outputs(name: str, spec: str) -> list[list[int]]:
     llm = LLM(TINY + [f"attention={name}", "scheduler.max_running_requests=4", "kv.page_size=16", *SPEC[spec]])
+    if "adaptive" in spec:  # every depth in turn, whatever the goodput model would pick
+        llm.engine.spec_worker.adaptive = CycleDepths(4)
     out = [o.token_ids for o in llm.generate(REQUESTS)]
     assert llm.engine.spec_worker.stats.num_verify_steps > 0
-    if "adaptive" in spec:  # (every depth is tried once before the goodput model chooses)
+    if "adaptive" in spec:
         assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"0", "1", "2", "3", "4"}
     llm.engine.allocator.assert_all_free()
     return out

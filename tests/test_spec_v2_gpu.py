@@ -99,9 +99,9 @@ def test_first_filtered_sampling_batch_compiles_nothing():
 
 def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
     """speculative.adaptive=true in v2: start-up records every verify width (1 .. num_steps + 1) at every captured
-    batch size, greedy and sampling, so that serving compiles nothing while the host tries every width (forced
-    exploration) at batch sizes 4 down to 1; greedy tokens equal v1's (adaptive too) and plain decoding's (fp32)."""
-    from framework.speculative.adaptive import DraftLengthController
+    batch size, greedy and sampling, so that serving compiles nothing while the host tries every width (in turn) at
+    batch sizes 4 down to 1; greedy tokens equal v1's (adaptive too) and plain decoding's (fp32)."""
+    from tests.test_adaptive_v2 import CycleDepths
 
     common = (*BASE, "model.dtype=float32", "compile.batch_sizes=[1,2]", "speculative.adaptive=true")
     llm = LLM(cuda_overrides(*common))
@@ -112,7 +112,7 @@ def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
     sampled = [dict(r, temperature=0.8, seed=i, **({"top_k": 20, "top_p": 0.9} if i % 2 else {}))
                for i, r in enumerate(greedy)]
     llm.generate([{"prompt": p, "max_tokens": 16} for p in PROMPTS[:4]])  # greedy: the prefill paths run once
-    worker.adaptive = DraftLengthController(4, explore_every=2)  # every other iteration tries the next depth
+    worker.adaptive = CycleDepths(4)  # every depth in turn
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     out = outputs(llm, greedy)
     assert all(len(o[0]) > 0 for o in outputs(llm, sampled))
