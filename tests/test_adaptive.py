@@ -53,13 +53,20 @@ def test_a_batch_size_takes_another_ones_relative_cost():
     assert ctl.estimated_cost(20, 3) == pytest.approx(4.8)  # nothing measured at 20: as at the nearest, 32
 
 
+def test_a_cold_first_sample_does_not_stick():
+    ctl = DraftLengthController(max_depth=2, cost_alpha=0.2)
+    for seconds in (5.0, 1.0, 2.0):  # a new shape's first run, then two warm ones
+        ctl.record(4, 2, [3] * 4, seconds)
+    assert ctl.cost[(4, 2)] == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+
+
 def test_costs_are_per_batch_size_and_exploration_follows_a_changing_workload():
     ctl = DraftLengthController(max_depth=3, explore_every=4, decay=0.9)
     early = feed(ctl, 1, accept_depth=3, cost=lambda k: 1.0, rounds=40)  # batch 1: drafts are free and accepted
     assert early[:2] == [3, 0] and early[2:].count(3) == 38 - 3
-    # explorations 4, 8 and 16 iterations apart (iterations 7, 15, 31: the gap doubles): the depths never measured
-    # nearest the choice first, then a neighbour
-    assert [(i + 1, k) for i, k in enumerate(early) if k != 3][1:] == [(7, 2), (15, 1), (31, 2)]
+    # explorations 4, 8 and 16 iterations apart (iterations 7, 15, 31: the gap doubles): the depths measured fewer
+    # than twice, nearest the choice first
+    assert [(i + 1, k) for i, k in enumerate(early) if k != 3][1:] == [(7, 2), (15, 2), (31, 1)]
     assert ctl.cost.keys() == {(1, k) for k in range(4)}
     assert ctl.estimated_cost(8, 2) == ctl.cost[(1, 2)]  # an unmeasured batch size: the nearest measured one's
     assert ctl.estimated_cost(8, 1) == pytest.approx(1.0)  # an unmeasured depth: between depths 0 and 2

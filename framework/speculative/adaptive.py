@@ -7,9 +7,10 @@ emits are ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of 
 controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. A batch size not measured at a
 depth takes the nearest measured batch size's cost, scaled by the two batch sizes' costs at a depth measured at
 both, and a depth not measured takes the cost interpolated between the measured depths around it. The first iterations measure two depths: the deepest first (it measures the
-acceptance of every position at once), then plain steps. Every so often the controller explores: a depth never measured, the nearest
-to its choice first (interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1
-did), else a neighbour of its choice, one deeper and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
+acceptance of every position at once), then plain steps. A cost's second sample replaces its first (which may be a cold run of a new
+shape). Every so often the controller explores: a depth measured fewer than twice, the nearest to its choice first
+(interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1 did), else a
+neighbour of its choice, one deeper and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
 the workload changes (both decay) and the choice can climb or fall a depth at a time. Explorations start
 ``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while the choice holds; a new
 choice resets it. Exploring costs little: a neighbour's iteration is never far from the best one, and rarely run
@@ -34,6 +35,8 @@ class DraftLengthController:
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
         self.cost: dict[tuple[int, int], float] = {}  # (bs, k) -> seconds per iteration
         self._by_bs: dict[int, dict[int, float]] = {}  # the same, bs -> {k: seconds}
+        self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
+        self._depth_samples = [0] * (max_depth + 1)  # [k]: iterations measured at depth k, any batch size
         self.iterations = 0
         self.explorations = 0
         self._best: int | None = None  # the model's last choice
@@ -66,9 +69,9 @@ class DraftLengthController:
         self._gap = min(2 * self._gap, self.max_explore_gap)
         self._next_explore = self.iterations + self._gap
         self.explorations += 1
-        unmeasured = [k for k in range(self.max_depth + 1) if self.measured_cost(bs, k) is None]
-        if unmeasured:  # an interpolated cost may hide a better depth: measure the one nearest the choice
-            return min(unmeasured, key=lambda k: (abs(k - best), k))
+        unsure = [k for k in range(self.max_depth + 1) if self._depth_samples[k] < 2]
+        if unsure:  # an interpolated or a single (cold) cost may hide a better depth: the one nearest the choice
+            return min(unsure, key=lambda k: (abs(k - best), k))
         deeper = self.explorations % 2 == 1
         return best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
 
@@ -113,8 +116,11 @@ class DraftLengthController:
     def record(self, bs: int, k: int, emitted: list[int], seconds: float) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``."""
         key = (bs, k)
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - self.cost_alpha) * old + self.cost_alpha * seconds
+        n = self._samples.get(key, 0)
+        # the second sample replaces the first, which may have been a cold one (a new shape's first run)
+        self.cost[key] = seconds if n < 2 else (1 - self.cost_alpha) * self.cost[key] + self.cost_alpha * seconds
+        self._samples[key] = n + 1
+        self._depth_samples[k] += 1
         self._by_bs.setdefault(bs, {})[k] = self.cost[key]
         if k == 0:
             return
