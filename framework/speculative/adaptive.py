@@ -33,15 +33,18 @@ class DraftLengthController:
         self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
-        self.cost: dict[tuple[int, int], float] = {}  # (bs, k) -> seconds per iteration
-        self._by_bs: dict[int, dict[int, float]] = {}  # the same, bs -> {k: seconds}
+        self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
         self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
-        self._depth_samples = [0] * (max_depth + 1)  # [k]: iterations measured at depth k, any batch size
         self.iterations = 0
         self.explorations = 0
         self._best: int | None = None  # the model's last choice
         self._gap = explore_every  # iterations between explorations: doubles while the choice holds
         self._next_explore = explore_every
+
+    @property
+    def cost(self) -> dict[tuple[int, int], float]:
+        """(bs, k) -> the measured seconds per iteration."""
+        return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
 
     def expected_tokens(self, k: int) -> float:
         """E(k): tokens a request emits per iteration at depth ``k``. ``r_d`` is capped by ``r_(d-1)`` (accepting d
@@ -69,7 +72,8 @@ class DraftLengthController:
         self._gap = min(2 * self._gap, self.max_explore_gap)
         self._next_explore = self.iterations + self._gap
         self.explorations += 1
-        unsure = [k for k in range(self.max_depth + 1) if self._depth_samples[k] < 2]
+        sampled = [sum(n for (_, d), n in self._samples.items() if d == k) for k in range(self.max_depth + 1)]
+        unsure = [k for k in range(self.max_depth + 1) if sampled[k] < 2]
         if unsure:  # an interpolated or a single (cold) cost may hide a better depth: the one nearest the choice
             return min(unsure, key=lambda k: (abs(k - best), k))
         deeper = self.explorations % 2 == 1
@@ -115,13 +119,11 @@ class DraftLengthController:
 
     def record(self, bs: int, k: int, emitted: list[int], seconds: float) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``."""
-        key = (bs, k)
-        n = self._samples.get(key, 0)
+        samples = self._samples.get((bs, k), 0)
+        costs = self._by_bs.setdefault(bs, {})
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
-        self.cost[key] = seconds if n < 2 else (1 - self.cost_alpha) * self.cost[key] + self.cost_alpha * seconds
-        self._samples[key] = n + 1
-        self._depth_samples[k] += 1
-        self._by_bs.setdefault(bs, {})[k] = self.cost[key]
+        costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
+        self._samples[(bs, k)] = samples + 1
         if k == 0:
             return
         for d in range(1, self.max_depth + 1):
