@@ -7,6 +7,8 @@ to plain decoding.
     .venv/bin/python bench/bench_drafters_cpu.py                          # none, ngram, suffix at batch 1
     .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram ngram_adaptive suffix_adaptive
     .venv/bin/python bench/bench_drafters_cpu.py --batch 32 --copies 4 --prompts bench/prompts/open.jsonl
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 64 --copies 8 --kv-tokens 65536   # 5 engines fit in 24 GB
+    .venv/bin/python bench/bench_drafters_cpu.py --prompts bench/prompts/shared.jsonl --drafters ngram suffix
     .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix_chain suffix_v2  # v2 (device)
     .venv/bin/python bench/bench_drafters_cpu.py --compile eager --limit 4 --max-tokens 64 \
         --drafters none layer_skip layer_skip_search layer_skip_search_spread      # self-speculation
@@ -67,13 +69,17 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=1, help="each prompt this many times per pass (batches > 8)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
     ap.add_argument("--compile", default="reduce_overhead")
+    ap.add_argument("--kv-tokens", type=int, default=0,
+                    help="each engine's KV pool in tokens (kv.max_total_tokens; 0: the conf's, enough for every "
+                         "request at max_context: about 6 GB an engine at batch 64)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for the speculative engines (after --)")
     args = ap.parse_args()
     items = [dict(json.loads(line), max_tokens=args.max_tokens) for line in open(args.prompts) if line.strip()]
     for item in items:
         item.pop("id", None)
     items = [dict(it) for it in items[: args.limit or len(items)] for _ in range(args.copies)]
-    base = ["model=smollm2_135m", f"compile={args.compile}", f"scheduler.max_running_requests={args.batch}"]
+    base = ["model=smollm2_135m", f"compile={args.compile}", f"scheduler.max_running_requests={args.batch}",
+            f"kv.max_total_tokens={args.kv_tokens}"]
     reference, rows = None, []
     # every engine first, then each pass across all of them in turn: a machine that slows down part of the time
     # (other jobs) skews every drafter's pass alike rather than one drafter's

@@ -1,21 +1,35 @@
 """``speculative.adaptive=true``: the draft length of each iteration, chosen for the batch by a goodput model.
 
-For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step) the expected tokens a request
-emits are ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of requests that accepted at least
-``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft count as misses); the cost
-``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth). The
-controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``. A batch size not measured at a
-depth takes the nearest measured batch size's cost, scaled by the two batch sizes' costs at a depth measured at
-both, and a depth not measured takes the cost interpolated between the measured depths around it. The first iterations measure two depths: the deepest first (it measures the
-acceptance of every position at once), then plain steps. A cost's second sample replaces its first (which may be a cold run of a new
-shape). Every so often the controller explores: a depth measured fewer than twice, the nearest to its choice first
+For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step), ``E(k)`` is the tokens a request
+emits per iteration. Without shadow acceptance ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of
+requests that accepted at least ``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft
+count as misses). With shadow acceptance (speculation v2's drafters on the device: ``adaptive_v2.ShadowAcceptance``)
+every depth is measured in every iteration, plain steps included, from drafts that are never verified: each would
+have had ``m`` tokens accepted, and a depth-``k`` iteration there emits ``1 + min(m, k)``. Those drafts sample
+positions, not iterations: where drafts are accepted, an iteration covers more positions, so the iterations of a
+depth-``k`` policy emit the harmonic mean, ``E(k) = 1 / mean(1 / (1 + min(m, k)))`` (half the positions copied 5
+deep and half not: 1.71 tokens an iteration at depth 5, not 3.5); until the first is evaluated, ``E(k) = 1``. The
+cost ``T(bs, k)`` is the measured time of such iterations (an
+exponential average per batch size and depth). The controller takes the ``k`` with the most tokens per second,
+``E(k) / T(bs, k)``.
+
+Costs not measured: at a batch size with two or more depths measured, interpolated between the measured depths
+around ``k``, or extrapolated linearly from the deepest two (never falling with depth). Else each depth takes the
+nearest measured batch size's cost, scaled by the two batch sizes' costs at a depth measured at both, then
+interpolated as above. A cost's second sample replaces its first (which may be a cold run of a new shape).
+
+The first iterations measure two depths. Without shadow acceptance: the deepest first (it measures the acceptance
+of every position at once), then plain steps. With it: plain steps first (they cost what plain decoding costs, and
+their unverified drafts measure acceptance), then depth 1, the cheapest verify.
+
+Every so often the controller explores: a depth measured fewer than twice, the nearest to its choice first
 (interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1 did), else a
-neighbour of its choice, one deeper and one shallower in turn, so the acceptance one position past the choice and the costs around it stay current as
-the workload changes (both decay) and the choice can climb or fall a depth at a time. Explorations start
-``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while the choice holds; a new
-choice resets it. Exploring costs little: a neighbour's iteration is never far from the best one, and rarely run
-where the choice is stable (trying every depth in turn at a fixed rate spent whole iterations at the deepest drafts
-where speculation did not pay).
+neighbour of its choice, one deeper and one shallower in turn, so the acceptance one position past the choice and
+the costs around it stay current as the workload changes (both decay) and the choice can climb or fall a depth at
+a time. Explorations start ``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while
+the choice holds; a new choice resets it. Exploring costs little: a neighbour's iteration is never far from the
+best one, and rarely run where the choice is stable (trying every depth in turn at a fixed rate spent whole
+iterations at the deepest drafts where speculation did not pay).
 """
 
 from __future__ import annotations
@@ -25,14 +39,16 @@ class DraftLengthController:
     """Chooses ``k`` in ``0 .. max_depth`` per iteration; :meth:`record` feeds back what the iteration gave."""
 
     def __init__(self, max_depth: int, explore_every: int = 16, decay: float = 0.995, cost_alpha: float = 0.2,
-                 max_explore_gap: int = 256) -> None:
+                 max_explore_gap: int = 256, shadow: bool = False) -> None:
         self.max_depth = max_depth
+        self.shadow = shadow  # acceptance also from unverified drafts (record's ``shadow``)
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
         self.decay = decay
         self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
+        self.shadow_hist = [0.0] * (max_depth + 1)  # [m]: unverified drafts with m tokens accepted (decayed)
         self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
         self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
         self.iterations = 0
@@ -47,8 +63,13 @@ class DraftLengthController:
         return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a request emits per iteration at depth ``k``. ``r_d`` is capped by ``r_(d-1)`` (accepting d
-        drafts means accepting d - 1), also where it was measured longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance the harmonic mean above.
+        Else ``r_d`` is capped by ``r_(d-1)`` (accepting d drafts means accepting d - 1), also where it was measured
+        longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        if self.shadow:
+            drafts = sum(self.shadow_hist)
+            per_token = sum(n / (1 + min(m, k)) for m, n in enumerate(self.shadow_hist))
+            return drafts / per_token if drafts > 0 else 1.0
         total, rate = 1.0, 1.0
         for d in range(1, k + 1):
             rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
@@ -57,7 +78,7 @@ class DraftLengthController:
 
     def choose(self, bs: int) -> int:
         self.iterations += 1
-        for k in (self.max_depth, 0):  # the deepest first (every position's acceptance at once), then plain steps
+        for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
         costs = self.costs(bs)
@@ -100,30 +121,49 @@ class DraftLengthController:
         return self._by_bs[others[0]][k] if others else None
 
     def costs(self, bs: int) -> list[float | None]:
-        """T(bs, k) for every depth: :meth:`measured_cost`, else interpolated linearly in ``k`` between the nearest
-        such depths below and above (None: no such pair)."""
-        known = {d: c for d in range(self.max_depth + 1) if (c := self.measured_cost(bs, d)) is not None}
+        """T(bs, k) for every depth. Where two or more depths were measured at ``bs``: those, and between them
+        interpolated linearly in ``k``, past the deepest extrapolated from the deepest two (the slope at least 0),
+        below the shallowest as the shallowest. Else the same over :meth:`measured_cost` (None: nothing measured)."""
+        here = self._by_bs.get(bs, {})
+        known = dict(here) if len(here) >= 2 else \
+            {d: c for d in range(self.max_depth + 1) if (c := self.measured_cost(bs, d)) is not None}
         out: list[float | None] = []
         for k in range(self.max_depth + 1):
-            below, above = [d for d in known if d <= k], [d for d in known if d >= k]
-            if not below or not above:
+            below, above = sorted(d for d in known if d <= k), [d for d in known if d >= k]
+            if not below and not above:
                 out.append(None)
-                continue
-            lo, hi = max(below), min(above)
-            out.append(known[lo] if lo == hi else known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo))
+            elif not below:
+                out.append(known[min(above)])
+            elif not above:
+                hi = below[-1]
+                slope = (known[hi] - known[below[-2]]) / (hi - below[-2]) if len(below) >= 2 else 0.0
+                out.append(known[hi] + max(slope, 0.0) * (k - hi))
+            else:
+                lo, hi = below[-1], min(above)
+                out.append(known[lo] if lo == hi else known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo))
         return out
 
     def estimated_cost(self, bs: int, k: int) -> float | None:
         """T(bs, k) as :meth:`costs` gives it."""
         return self.costs(bs)[k]
 
-    def record(self, bs: int, k: int, emitted: list[int], seconds: float) -> None:
-        """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``."""
+    def record(self, bs: int, k: int, emitted: list[int], seconds: float,
+               shadow: tuple[int, list[int]] | None = None) -> None:
+        """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``;
+        ``shadow``: (unverified drafts evaluated since the last iteration, those accepted at least ``d`` deep for
+        ``d`` = 1 .. max_depth)."""
         samples = self._samples.get((bs, k), 0)
         costs = self._by_bs.setdefault(bs, {})
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
         costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
         self._samples[(bs, k)] = samples + 1
+        if self.shadow:
+            self.shadow_hist = [n * self.decay for n in self.shadow_hist]
+            if shadow is not None:  # at least d accepted -> exactly m accepted
+                at_least = [shadow[0], *shadow[1], 0]
+                for m in range(self.max_depth + 1):
+                    self.shadow_hist[m] += at_least[m] - at_least[m + 1]
+            return
         if k == 0:
             return
         for d in range(1, self.max_depth + 1):
@@ -135,9 +175,9 @@ class DraftLengthController:
 
 
 def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
-                     emitted: list[int], seconds: float) -> None:
+                     emitted: list[int], seconds: float, shadow: tuple[int, list[int]] | None = None) -> None:
     """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
-    ``seconds``), for the controller's next choices; ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth
-    -> iterations) counts it."""
-    controller.record(bs, k, emitted, seconds)
+    ``seconds``; ``shadow``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
+    ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth -> iterations) counts it."""
+    controller.record(bs, k, emitted, seconds, shadow)
     draft_lengths[k] = draft_lengths.get(k, 0) + 1

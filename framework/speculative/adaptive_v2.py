@@ -26,6 +26,7 @@ import contextlib
 import types
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from framework.batch import ForwardMode, SamplingBatch
@@ -95,3 +96,54 @@ def capture_widths(worker: "SpecV2Worker", cases: list[tuple[bool, bool]]) -> No
                                            sampling, q)
                     launched.result.numpy()
                     worker._inflight.remove(launched)
+
+
+class ShadowAcceptance:
+    """The acceptance of every draft depth, measured from drafts that are never verified (``speculative.adaptive``
+    with a drafter that drafts on the device).
+
+    Every iteration, plain steps included, a request without a pending shadow draft gets the full ``num_steps``
+    chain its drafter proposes at its current length ``L`` (positions ``L .. L + num_steps - 1``); once the request
+    knows those positions, the draft is compared with the target's tokens there: it would have been accepted ``d``
+    deep where its first ``d`` tokens equal them (greedy; with sampling, the chance that a sampled token equals a
+    drafted one is the chance that rejection sampling accepts that one-token draft). So the controller learns the
+    acceptance of every depth, also while it decodes plainly, without spending a verify on it. Counts accumulate on
+    the device (in the iteration's graph) and reach the host with the iteration's result: ``counts[0]`` drafts
+    evaluated, ``counts[d]`` those that would have had at least ``d`` tokens accepted.
+    """
+
+    def __init__(self, num_rows: int, depth: int, device: torch.device) -> None:
+        self.depth = depth
+        self.drafts = torch.full((num_rows, depth), -1, dtype=torch.int64, device=device)  # [rows, depth]; -1: none
+        self.at = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # [rows] L of the draft; -1: none
+        self.counts = torch.zeros(depth + 1, dtype=torch.int64, device=device)  # [depth + 1] cumulative
+        self._host = np.zeros(depth + 1, dtype=np.int64)  # the counts as the host last applied them
+        if device.type == "cuda":  # read and written inside captured graphs
+            for t in (self.drafts, self.at, self.counts):
+                torch._dynamo.mark_static_address(t)
+
+    def reset(self, rows: list[int]) -> None:
+        """Rows that a new request takes (its prefill completes): no pending draft."""
+        self.at[torch.as_tensor(rows, dtype=torch.int64).to(self.at.device)] = -1
+
+    def update(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
+               valid: torch.Tensor) -> None:
+        """In the iteration's prepare (device): rows ``[bs]`` (padded with DUMMY_ROW), the token history ``[rows,
+        width]``, lens ``[bs]`` the rows' known tokens, drafts / valid ``[bs, depth]`` the chain drafted now."""
+        at = self.at[rows]  # [bs]
+        steps = torch.arange(self.depth, device=rows.device)[None, :]
+        actual = tokens[rows[:, None], (at[:, None] + steps).clamp(0, tokens.shape[1] - 1)]  # [bs, depth]
+        real = rows != DUMMY_ROW
+        done = real & (at >= 0) & (lens >= at + self.depth)  # [bs] the draft's positions are all known now
+        agree = torch.cumprod((self.drafts[rows] == actual).to(torch.int64), dim=1) * done[:, None].to(torch.int64)
+        self.counts += torch.cat([done.sum().view(1), agree.sum(dim=0)])
+        fresh = real & ((at < 0) | done)  # [bs] takes the chain drafted now
+        self.drafts[rows] = torch.where(fresh[:, None], torch.where(valid, drafts, -1), self.drafts[rows])
+        self.at[rows] = torch.where(fresh, lens, at)
+
+    def increments(self, counts: np.ndarray) -> tuple[int, list[int]]:
+        """Host: the cumulative ``counts`` an iteration's result carried -> (drafts evaluated since the last call,
+        ``[hits at depth 1 .. depth]`` among them)."""
+        new = counts - self._host
+        self._host = counts.copy()
+        return int(new[0]), new[1:].tolist()

@@ -38,7 +38,7 @@ from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
 from framework.speculative.adaptive import DraftLengthController, record_iteration
-from framework.speculative.adaptive_v2 import capture_widths, iteration_widths, width_programs
+from framework.speculative.adaptive_v2 import ShadowAcceptance, capture_widths, iteration_widths, width_programs
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
@@ -73,12 +73,15 @@ class SpecV2Worker:
         self.cfg = cfg
         self.q = cfg.num_steps + 1  # verify tokens per request: the root and the chain (adaptive: the most)
         self.widths = iteration_widths(cfg)  # the widths iterations run at (adaptive: 1 .. q), each captured
-        self.adaptive = DraftLengthController(cfg.num_steps) if cfg.adaptive else None
         self.width = v2_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
         self.device = engine.device
         table = engine.allocator.req_to_token  # [rows, positions]
         self.history = TokenHistory(table.shape[0], table.shape[1], self.device)
+        # adaptive: acceptance of every depth from unverified drafts (drafters on the device), plain steps included
+        self.shadow = ShadowAcceptance(table.shape[0], cfg.num_steps, self.device) \
+            if cfg.adaptive and drafter.drafts_on_device else None
+        self.adaptive = DraftLengthController(cfg.num_steps, shadow=self.shadow is not None) if cfg.adaptive else None
         self._assigned: dict[int, int] = {}  # request row -> positions [0, n) that have slots
         self._inflight: list[SpecLaunched] = []
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
@@ -99,9 +102,11 @@ class SpecV2Worker:
         table = self.engine.allocator.req_to_token
         lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
         root = self.history.tokens[rows[:, None], (lens - 1)[:, None]]  # [bs, 1]
-        if self.drafter.drafts_on_device and q > 1:  # (q == 1, adaptive's plain step: no drafting at all)
+        if self.drafter.drafts_on_device and (q > 1 or self.shadow is not None):  # (q == 1: a plain step)
             history = self.history.tokens[rows]  # [bs, width]
             drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
+            if self.shadow is not None:
+                self.shadow.update(rows, self.history.tokens, lens, drafts, valid)
             drafts, valid = drafts[:, : q - 1], valid[:, : q - 1]  # [bs, q - 1]: the first q - 1 of the chain
         else:  # a model drafter fills them in with its own forwards
             drafts = torch.zeros(rows.shape[0], q - 1, dtype=torch.int64, device=rows.device)
@@ -118,7 +123,7 @@ class SpecV2Worker:
                        logits: torch.Tensor) -> torch.Tensor:
         accept_lens, accept_tokens, bonus = verify_chain_greedy(tokens, valid, logits)
         self.history.append(rows, accept_tokens, accept_lens, bonus)
-        return torch.cat([accept_lens, accept_tokens.reshape(-1)])
+        return self._result(accept_lens, accept_tokens)
 
     def _finish_sampling(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
                          temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
@@ -127,7 +132,13 @@ class SpecV2Worker:
         accept_lens, accept_tokens, bonus = verify_chain_sampling(tokens, valid, logits, temperatures, top_ks, top_ps,
                                                                   seeds, steps, need_top_k_top_p, draft_probs)
         self.history.append(rows, accept_tokens, accept_lens, bonus)
-        return torch.cat([accept_lens, accept_tokens.reshape(-1)])
+        return self._result(accept_lens, accept_tokens)
+
+    def _result(self, accept_lens: torch.Tensor, accept_tokens: torch.Tensor) -> torch.Tensor:
+        """What the host reads of an iteration: accept lengths ``[bs]``, the emitted tokens ``[bs * q]``, and with
+        shadow acceptance its cumulative counts ``[num_steps + 1]``."""
+        parts = [accept_lens, accept_tokens.reshape(-1)] + ([self.shadow.counts] if self.shadow is not None else [])
+        return torch.cat(parts)
 
     # ---- host side --------------------------------------------------------------------------------------
     def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
@@ -145,6 +156,8 @@ class SpecV2Worker:
             self._assigned[req.row] = req.prefill_target
         if rows:
             self.history.start(rows, seqs, prompt_lens, sampled, index, samples)
+            if self.shadow is not None:
+                self.shadow.reset(rows)
 
     def _rows_tensor(self, reqs: list[Request], padded_bs: int) -> torch.Tensor:
         rows = tuple(r.row for r in reqs) + (DUMMY_ROW,) * (padded_bs - len(reqs))
@@ -218,7 +231,8 @@ class SpecV2Worker:
                          sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
         self._record(events, 3)
         if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
-            self.drafter.extend_v2(rows, committed, out[padded_bs:].view(padded_bs, q), out[:padded_bs], hidden, bounds)
+            emitted = out[padded_bs: padded_bs * (1 + q)].view(padded_bs, q)
+            self.drafter.extend_v2(rows, committed, emitted, out[:padded_bs], hidden, bounds)
         self._record(events, 4)
         return self._launched(step, padded_bs, out, events, q, t0)
 
@@ -241,8 +255,9 @@ class SpecV2Worker:
         host = launched.result.numpy()
         self._inflight.remove(launched)
         sched, alloc, q = self.engine.scheduler, self.engine.allocator, self.q
-        lens = host[: launched.padded_bs].tolist()
-        tokens = host[launched.padded_bs:].reshape(launched.padded_bs, launched.q)
+        padded_bs = launched.padded_bs
+        lens = host[:padded_bs].tolist()
+        tokens = host[padded_bs: padded_bs * (1 + launched.q)].reshape(padded_bs, launched.q)
         finished, now = [], time.perf_counter()
         for b, req in enumerate(launched.step.reqs):
             req.spec_inflight -= 1
@@ -263,7 +278,8 @@ class SpecV2Worker:
         bs = len(launched.step.reqs)
         seconds = self._account(lens[:bs], launched)
         if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
-            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds)
+            shadow = None if self.shadow is None else self.shadow.increments(host[-(self.cfg.num_steps + 1):])
+            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds, shadow)
         self.drafter.on_finished(finished)
         return finished
 
