@@ -53,6 +53,32 @@ def test_a_batch_size_takes_another_ones_relative_cost():
     assert ctl.estimated_cost(20, 3) == pytest.approx(4.8)  # nothing measured at 20: as at the nearest, 32
 
 
+def test_costs_within_a_batch_size_come_before_another_batch_sizes():
+    """Depths 0 and 5 measured at batch 1: depth 1 there is interpolated between them, not scaled from batch 7's
+    (noisy) depth-1 cost; past the deepest measured depth a cost is extrapolated from the deepest two."""
+    ctl = DraftLengthController(max_depth=5, explore_every=0)
+    for bs, k, seconds in ((1, 0, 1.0), (1, 5, 2.0), (7, 1, 1.0), (7, 5, 1.05), (8, 0, 3.0), (8, 1, 3.3)):
+        ctl.record(bs, k, [1] * bs, seconds)
+    assert ctl.estimated_cost(1, 1) == pytest.approx(1.2)
+    assert ctl.estimated_cost(8, 5) == pytest.approx(3.0 + 5 * 0.3)
+
+
+def test_shadow_acceptance_and_plain_steps_first():
+    """With acceptance measured from unverified drafts: plain steps first, then depth 1 (its cost); until a draft
+    position is compared no speculation is assumed; r_d is the product of each position's chance given the ones
+    before it agreed, a position not reached yet taking the last measured chance."""
+    ctl = DraftLengthController(max_depth=5, explore_every=0, shadow=True)
+    assert ctl.choose(8) == 0
+    ctl.record(8, 0, [1] * 8, 1.0, shadow=([0] * 5, [0] * 5))
+    assert ctl.expected_tokens(5) == 1.0 and ctl.choose(8) == 1
+    # 8 drafts: position 0 agreed for 4 of them, position 1 for 2 of those 4; nothing deeper reached yet
+    ctl.record(8, 1, [1] * 8, 1.1, shadow=([8, 4, 0, 0, 0], [4, 2, 0, 0, 0]))
+    assert ctl.expected_tokens(1) == pytest.approx(1.5)
+    assert ctl.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert ctl.estimated_cost(8, 3) == pytest.approx(1.3)  # extrapolated from depths 0 and 1
+    assert ctl.choose(8) == 2  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
+
+
 def test_a_cold_first_sample_does_not_stick():
     ctl = DraftLengthController(max_depth=2, cost_alpha=0.2)
     for seconds in (5.0, 1.0, 2.0):  # a new shape's first run, then two warm ones

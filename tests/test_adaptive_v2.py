@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from framework import LLM
 from framework.batch import ForwardMode
 from framework.config import SpeculativeConfig
+from framework.kv import DUMMY_ROW
 from framework.speculative.adaptive import DraftLengthController
+from framework.speculative.adaptive_v2 import ShadowAcceptance
+from framework.speculative.ngram import ngram_chain_device
 from framework.speculative.version import resolve_version
 from tests.conftest import TINY
 from tests.test_speculative_lossless import items
@@ -83,6 +87,56 @@ def test_width_one_is_a_plain_decode_step(reference, page_size):
         assert [o.token_ids for o in llm.generate(SAMPLED)] == plain
     assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"0"}
     llm.engine.allocator.assert_all_free()
+
+
+def test_shadow_drafts_are_compared_position_by_position_as_the_tokens_arrive():
+    sh = ShadowAcceptance(num_rows=4, depth=3, device=torch.device("cpu"))
+    tokens = torch.zeros(4, 16, dtype=torch.int64)
+    tokens[1, 5:8] = torch.tensor([7, 8, 5])
+    tokens[2, 5:8] = torch.tensor([6, 8, 9])
+    rows = torch.tensor([1, 2, DUMMY_ROW])
+    drafts = torch.tensor([[7, 8, 9], [7, 8, 9], [7, 8, 9]])
+    valid = torch.tensor([[True, True, True], [True, True, False], [True, True, True]])
+    sh.update(rows, tokens, torch.tensor([5, 5, 1]), drafts, valid)  # drafted at length 5: nothing known yet
+    assert sh.counts.tolist() == [0] * 6 and sh.at.tolist() == [-1, 5, 5, -1]
+    sh.update(rows, tokens, torch.tensor([7, 6, 1]), drafts, valid)  # row 1 knows 2 positions, row 2 one
+    assert sh.counts.tolist() == [2, 1, 0, 1, 1, 0]  # reached: position 0 twice, 1 once; agreed: 0 once, 1 once
+    assert sh.at.tolist() == [-1, 5, 6, -1] and sh.upto.tolist() == [0, 2, 0, 0]  # row 2 settled (0 deep): anew
+    sh.update(rows, tokens, torch.tensor([8, 6, 1]), drafts, valid)  # row 1's third position: 5, not 9
+    assert sh.counts.tolist() == [2, 1, 1, 1, 1, 0] and sh.at.tolist() == [-1, 8, 6, -1]
+    assert sh.increments(sh.counts.numpy()) == ([2, 1, 1], [1, 1, 0])
+    sh.reset([1])
+    assert sh.at.tolist() == [-1, -1, 6, -1] and sh.increments(sh.counts.numpy()) == ([0, 0, 0], [0, 0, 0])
+
+
+def test_plain_steps_measure_acceptance_from_unverified_drafts():
+    """k = 0 every iteration: nothing is verified, yet every request's n-gram chain is drafted and compared with the
+    tokens that followed, a position at a time, a new one drafted where it settles (the counts equal a brute force
+    over the outputs)."""
+    llm = forced(LLM(TINY + ADAPTIVE + ["scheduler.max_running_requests=8"]), 0)
+    outs = llm.generate(items())
+    worker = llm.engine.spec_worker
+    depth = worker.cfg.num_steps
+    reached, agreed = [0] * depth, [0] * depth
+    for item, out in zip(items(), outs):
+        seq = llm.engine.make_request(item).prompt_ids + out.token_ids
+        at = out.num_prompt_tokens + 1  # the first draft: after the prefill's token
+        while True:
+            drafts, valid = ngram_chain_device(torch.tensor([seq[:at]]), torch.tensor([at]), depth,
+                                               worker.cfg.ngram_min, worker.cfg.ngram_max)
+            known = min(depth, len(seq) - 1 - at)  # positions known by the request's last iteration
+            for i in range(known):
+                reached[i] += 1
+                if not (valid[0, i] and drafts[0, i] == seq[at + i]):
+                    at += i + 1  # settled where position i differs: the next draft starts after it
+                    break
+                agreed[i] += 1
+            else:
+                if known < depth:
+                    break
+                at += depth
+    assert worker.shadow.counts.tolist() == reached + agreed and agreed[0] > 0
+    assert worker.adaptive.shadow_reached[0] == pytest.approx(reached[0], rel=0.2)  # (decayed)
 
 
 def test_largest_width_samples_as_the_fixed_depth_worker():

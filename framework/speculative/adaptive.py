@@ -4,13 +4,11 @@ For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step)
 emits per iteration. Without shadow acceptance ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of
 requests that accepted at least ``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft
 count as misses). With shadow acceptance (speculation v2's drafters on the device: ``adaptive_v2.ShadowAcceptance``)
-every depth is measured in every iteration, plain steps included, from drafts that are never verified: each would
-have had ``m`` tokens accepted, and a depth-``k`` iteration there emits ``1 + min(m, k)``. Those drafts sample
-positions, not iterations: where drafts are accepted, an iteration covers more positions, so the iterations of a
-depth-``k`` policy emit the harmonic mean, ``E(k) = 1 / mean(1 / (1 + min(m, k)))`` (half the positions copied 5
-deep and half not: 1.71 tokens an iteration at depth 5, not 3.5); until the first is evaluated, ``E(k) = 1``. The
-cost ``T(bs, k)`` is the measured time of such iterations (an
-exponential average per batch size and depth). The controller takes the ``k`` with the most tokens per second,
+every depth is measured in every iteration, plain steps included, from drafts that are never verified: ``r_d`` is
+the product of the measured chances that draft position ``i`` agrees with the target's token given that positions
+before it did (``i < d``; a position not yet reached takes the last measured one's chance); until a first position
+is measured, ``E(k) = 1``. The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average
+per batch size and depth). The controller takes the ``k`` with the most tokens per second,
 ``E(k) / T(bs, k)``.
 
 Costs not measured: at a batch size with two or more depths measured, interpolated between the measured depths
@@ -48,7 +46,8 @@ class DraftLengthController:
         self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
-        self.shadow_hist = [0.0] * (max_depth + 1)  # [m]: unverified drafts with m tokens accepted (decayed)
+        self.shadow_reached = [0.0] * max_depth  # [i]: unverified drafts whose position i was compared (decayed)
+        self.shadow_agreed = [0.0] * max_depth  # [i]: those whose position i agreed
         self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
         self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
         self.iterations = 0
@@ -63,13 +62,19 @@ class DraftLengthController:
         return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
 
     def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance the harmonic mean above.
-        Else ``r_d`` is capped by ``r_(d-1)`` (accepting d drafts means accepting d - 1), also where it was measured
-        longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance as above. Else ``r_d`` is
+        capped by ``r_(d-1)`` (accepting d drafts means accepting d - 1), also where it was measured longer ago;
+        unmeasured: optimistic, ``r_(d-1)``."""
         if self.shadow:
-            drafts = sum(self.shadow_hist)
-            per_token = sum(n / (1 + min(m, k)) for m, n in enumerate(self.shadow_hist))
-            return drafts / per_token if drafts > 0 else 1.0
+            if self.shadow_reached[0] <= 0:
+                return 1.0
+            total, rate, chance = 1.0, 1.0, 1.0
+            for i in range(k):
+                if self.shadow_reached[i] > 0:
+                    chance = self.shadow_agreed[i] / self.shadow_reached[i]
+                rate *= chance
+                total += rate
+            return total
         total, rate = 1.0, 1.0
         for d in range(1, k + 1):
             rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
@@ -148,21 +153,19 @@ class DraftLengthController:
         return self.costs(bs)[k]
 
     def record(self, bs: int, k: int, emitted: list[int], seconds: float,
-               shadow: tuple[int, list[int]] | None = None) -> None:
+               shadow: tuple[list[int], list[int]] | None = None) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``;
-        ``shadow``: (unverified drafts evaluated since the last iteration, those accepted at least ``d`` deep for
-        ``d`` = 1 .. max_depth)."""
+        ``shadow``: (unverified drafts whose position ``i`` was compared since the last iteration, those that agreed
+        there), each ``[max_depth]``."""
         samples = self._samples.get((bs, k), 0)
         costs = self._by_bs.setdefault(bs, {})
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
         costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
         self._samples[(bs, k)] = samples + 1
         if self.shadow:
-            self.shadow_hist = [n * self.decay for n in self.shadow_hist]
-            if shadow is not None:  # at least d accepted -> exactly m accepted
-                at_least = [shadow[0], *shadow[1], 0]
-                for m in range(self.max_depth + 1):
-                    self.shadow_hist[m] += at_least[m] - at_least[m + 1]
+            reached, agreed = shadow if shadow is not None else ([0] * self.max_depth, [0] * self.max_depth)
+            self.shadow_reached = [n * self.decay + r for n, r in zip(self.shadow_reached, reached)]
+            self.shadow_agreed = [n * self.decay + a for n, a in zip(self.shadow_agreed, agreed)]
             return
         if k == 0:
             return
@@ -175,7 +178,8 @@ class DraftLengthController:
 
 
 def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
-                     emitted: list[int], seconds: float, shadow: tuple[int, list[int]] | None = None) -> None:
+                     emitted: list[int], seconds: float,
+                     shadow: tuple[list[int], list[int]] | None = None) -> None:
     """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
     ``seconds``; ``shadow``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
     ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth -> iterations) counts it."""

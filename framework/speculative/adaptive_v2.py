@@ -103,23 +103,27 @@ class ShadowAcceptance:
     with a drafter that drafts on the device).
 
     Every iteration, plain steps included, a request without a pending shadow draft gets the full ``num_steps``
-    chain its drafter proposes at its current length ``L`` (positions ``L .. L + num_steps - 1``); once the request
-    knows those positions, the draft is compared with the target's tokens there: it would have been accepted ``d``
-    deep where its first ``d`` tokens equal them (greedy; with sampling, the chance that a sampled token equals a
-    drafted one is the chance that rejection sampling accepts that one-token draft). So the controller learns the
-    acceptance of every depth, also while it decodes plainly, without spending a verify on it. Counts accumulate on
-    the device (in the iteration's graph) and reach the host with the iteration's result: ``counts[0]`` drafts
-    evaluated, ``counts[d]`` those that would have had at least ``d`` tokens accepted.
+    chain its drafter proposes at its current length ``L`` (for positions ``L, L + 1, ...``). As the request learns
+    those positions, each is compared with the target's token there, in order, until one differs or all agree: the
+    draft is then settled (its first ``m`` tokens would have been accepted) and the next iteration drafts anew, where
+    an iteration of the deepest drafts would have continued. A drafted position counts once, when it is first known
+    and every position before it agreed: ``counts[i]`` (``i < num_steps``) such positions, ``counts[num_steps + i]``
+    those that agreed too. So the chance that position ``i`` is accepted after ``0 .. i - 1`` were is measured
+    from every draft that reached it, settled or not (greedy; with sampling, the chance that a sampled token equals
+    the drafted one is the chance that rejection sampling accepts a one-token draft), also while the controller
+    decodes plainly, without a verify spent on it. Counts accumulate on the device (in the iteration's graph) and
+    reach the host with the iteration's result.
     """
 
     def __init__(self, num_rows: int, depth: int, device: torch.device) -> None:
         self.depth = depth
         self.drafts = torch.full((num_rows, depth), -1, dtype=torch.int64, device=device)  # [rows, depth]; -1: none
         self.at = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # [rows] L of the draft; -1: none
-        self.counts = torch.zeros(depth + 1, dtype=torch.int64, device=device)  # [depth + 1] cumulative
-        self._host = np.zeros(depth + 1, dtype=np.int64)  # the counts as the host last applied them
+        self.upto = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [rows] positions already counted
+        self.counts = torch.zeros(2 * depth, dtype=torch.int64, device=device)  # [2 * depth] cumulative
+        self._host = np.zeros(2 * depth, dtype=np.int64)  # the counts as the host last applied them
         if device.type == "cuda":  # read and written inside captured graphs
-            for t in (self.drafts, self.at, self.counts):
+            for t in (self.drafts, self.at, self.upto, self.counts):
                 torch._dynamo.mark_static_address(t)
 
     def reset(self, rows: list[int]) -> None:
@@ -130,20 +134,25 @@ class ShadowAcceptance:
                valid: torch.Tensor) -> None:
         """In the iteration's prepare (device): rows ``[bs]`` (padded with DUMMY_ROW), the token history ``[rows,
         width]``, lens ``[bs]`` the rows' known tokens, drafts / valid ``[bs, depth]`` the chain drafted now."""
-        at = self.at[rows]  # [bs]
-        steps = torch.arange(self.depth, device=rows.device)[None, :]
-        actual = tokens[rows[:, None], (at[:, None] + steps).clamp(0, tokens.shape[1] - 1)]  # [bs, depth]
-        real = rows != DUMMY_ROW
-        done = real & (at >= 0) & (lens >= at + self.depth)  # [bs] the draft's positions are all known now
-        agree = torch.cumprod((self.drafts[rows] == actual).to(torch.int64), dim=1) * done[:, None].to(torch.int64)
-        self.counts += torch.cat([done.sum().view(1), agree.sum(dim=0)])
-        fresh = real & ((at < 0) | done)  # [bs] takes the chain drafted now
+        at, upto = self.at[rows], self.upto[rows]  # [bs]
+        pos = torch.arange(self.depth, device=rows.device)[None, :]  # [1, depth]
+        actual = tokens[rows[:, None], (at[:, None] + pos).clamp(0, tokens.shape[1] - 1)]  # [bs, depth]
+        pending = (rows != DUMMY_ROW) & (at >= 0)
+        known = torch.where(pending, (lens - at).clamp(0, self.depth), torch.zeros_like(at))  # [bs]
+        agree = self.drafts[rows] == actual  # [bs, depth]
+        # position i counts where it is newly known and positions 0 .. i - 1 agreed
+        reached = torch.cumprod(torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], dim=1).to(torch.int64), 1)
+        counted = (pos >= upto[:, None]) & (pos < known[:, None]) & reached.bool()  # [bs, depth]
+        self.counts += torch.cat([counted.sum(dim=0), (counted & agree).sum(dim=0)])
+        settled = pending & ((known == self.depth) | (counted & ~agree).any(dim=1))  # [bs]
+        fresh = (rows != DUMMY_ROW) & ((at < 0) | settled)  # [bs] takes the chain drafted now
         self.drafts[rows] = torch.where(fresh[:, None], torch.where(valid, drafts, -1), self.drafts[rows])
         self.at[rows] = torch.where(fresh, lens, at)
+        self.upto[rows] = torch.where(fresh, torch.zeros_like(known), known)
 
-    def increments(self, counts: np.ndarray) -> tuple[int, list[int]]:
-        """Host: the cumulative ``counts`` an iteration's result carried -> (drafts evaluated since the last call,
-        ``[hits at depth 1 .. depth]`` among them)."""
+    def increments(self, counts: np.ndarray) -> tuple[list[int], list[int]]:
+        """Host: the cumulative ``counts`` an iteration's result carried -> (positions ``i`` reached since the last
+        call, those that agreed), each ``[num_steps]``."""
         new = counts - self._host
         self._host = counts.copy()
-        return int(new[0]), new[1:].tolist()
+        return new[: self.depth].tolist(), new[self.depth:].tolist()

@@ -136,7 +136,7 @@ class SpecV2Worker:
 
     def _result(self, accept_lens: torch.Tensor, accept_tokens: torch.Tensor) -> torch.Tensor:
         """What the host reads of an iteration: accept lengths ``[bs]``, the emitted tokens ``[bs * q]``, and with
-        shadow acceptance its cumulative counts ``[num_steps + 1]``."""
+        shadow acceptance its cumulative counts ``[2 * num_steps]``."""
         parts = [accept_lens, accept_tokens.reshape(-1)] + ([self.shadow.counts] if self.shadow is not None else [])
         return torch.cat(parts)
 
@@ -278,7 +278,7 @@ class SpecV2Worker:
         bs = len(launched.step.reqs)
         seconds = self._account(lens[:bs], launched)
         if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
-            shadow = None if self.shadow is None else self.shadow.increments(host[-(self.cfg.num_steps + 1):])
+            shadow = None if self.shadow is None else self.shadow.increments(host[-2 * self.cfg.num_steps:])
             record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds, shadow)
         self.drafter.on_finished(finished)
         return finished
