@@ -41,6 +41,9 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
                           "speculative.num_steps=5", "speculative.version=v1"],
          "suffix_v2": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
                        "speculative.num_steps=5", "speculative.version=v2"],
+         # the same chains at a depth chosen per iteration (v2: shadow acceptance, bench/README.md)
+         "suffix_v2_adaptive": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
+                                "speculative.num_steps=5", "speculative.version=v2", "speculative.adaptive=true"],
          # self-speculation: a fixed early exit (the first 24 of 30 layers), its kept layers searched from that
          # start (skip_search), and the search from its own evenly spaced start (skip_ratio 0.2: 24 layers too)
          "layer_skip": ["speculative=layer_skip", "speculative.num_steps=3", "speculative.exit_layer=24"],

@@ -72,11 +72,17 @@ def test_shadow_acceptance_and_plain_steps_first():
     ctl.record(8, 0, [1] * 8, 1.0, shadow=([0] * 5, [0] * 5))
     assert ctl.expected_tokens(5) == 1.0 and ctl.choose(8) == 1
     # 8 drafts: position 0 agreed for 4 of them, position 1 for 2 of those 4; nothing deeper reached yet
+    # (half of the drafts settle 0 deep, a quarter 1 deep, ...)
     ctl.record(8, 1, [1] * 8, 1.1, shadow=([8, 4, 0, 0, 0], [4, 2, 0, 0, 0]))
-    assert ctl.expected_tokens(1) == pytest.approx(1.5)
-    assert ctl.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    deepest = 1 + 0.5 + 0.25 + 0.125 + 0.0625 + 0.03125  # positions 2 .. 4 take position 1's chance, 0.5
+    assert ctl.expected_tokens(5) == pytest.approx(deepest)
+    # depth 1's iterations visit the drafts' positions reweighted: P(m) (1 + min(m, 5)) / (1 + min(m, 1))
+    p = [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.03125]
+    visits = sum(q * (1 + m) / (1 + min(m, 1)) for m, q in enumerate(p))
+    assert ctl.expected_tokens(1) == pytest.approx(deepest / visits)
     assert ctl.estimated_cost(8, 3) == pytest.approx(1.3)  # extrapolated from depths 0 and 1
-    assert ctl.choose(8) == 2  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
+    assert ctl.choose(8) == 2  # 1.83 / 1.2 beats 1.60 / 1.1, 1.92 / 1.3, 1.97 / 1.5
+    assert ctl.choose(32) == 0  # a batch size whose plain step was not measured: a plain step first
 
 
 def test_a_cold_first_sample_does_not_stick():

@@ -55,6 +55,11 @@ def device_drafts(knobs: dict, corpus: SuffixCorpus, history: torch.Tensor, lens
     assert drafts.shape == valid.shape == (history.shape[0], knobs["num_steps"]) and drafts.dtype == torch.int64
     assert bool((drafts >= 0).all())  # token ids even where invalid: the verify forward embeds them
     assert torch.equal(valid, torch.cummin(valid.to(torch.int64), dim=1).values.bool())  # a prefix of each row
+    window = corpus.window()  # eager drafting scans the filled slots only: the same drafts
+    drafts_w, valid_w = suffix_chain_device(history, lens, window[0] if window else None,
+                                            window[1] if window else None, torch.tensor(limits), knobs["num_steps"],
+                                            knobs["min_prob"], max_occurrences)
+    assert torch.equal(valid_w, valid) and torch.equal(drafts_w[valid], drafts[valid])
     return [d[v].tolist() for d, v in zip(drafts, valid)]
 
 

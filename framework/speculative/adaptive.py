@@ -4,12 +4,18 @@ For a batch of ``bs`` requests and a draft depth ``k`` (0 = a plain decode step)
 emits per iteration. Without shadow acceptance ``E(k) = 1 + r_1 + ... + r_k``, with ``r_d`` the measured fraction of
 requests that accepted at least ``d`` draft tokens in iterations that drafted ``d`` deep (requests without a draft
 count as misses). With shadow acceptance (speculation v2's drafters on the device: ``adaptive_v2.ShadowAcceptance``)
-every depth is measured in every iteration, plain steps included, from drafts that are never verified: ``r_d`` is
-the product of the measured chances that draft position ``i`` agrees with the target's token given that positions
-before it did (``i < d``; a position not yet reached takes the last measured one's chance); until a first position
-is measured, ``E(k) = 1``. The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average
-per batch size and depth). The controller takes the ``k`` with the most tokens per second,
-``E(k) / T(bs, k)``.
+every depth is measured in every iteration, plain steps included, from drafts that are never verified:
+``P(m >= d)``, the chance that a draft's first ``d`` tokens would be accepted, is the product of the measured chances
+that position ``i`` agrees with the target's token given that the positions before it did (``i < d``; a position not
+yet reached takes the last measured one's chance). Those drafts are made where the previous one settled, which is
+where iterations of the deepest drafts (``K``) would start; an iteration of depth ``k`` emits ``1 + min(m, k)`` and
+a policy visits a stretch of positions in proportion to ``1 / (1 + min(m, k))``, so the drafts are reweighted to
+depth ``k``'s iterations: ``E(k) = sum_m P(m) w_m / sum_m P(m) w_m / (1 + min(m, k))`` with ``w_m = 1 + min(m, K)``
+(``E(K) = 1 + r_1 + ... + r_K``; where half the positions copy ``K`` deep and half nothing, depth 1 emits 1.33 an
+iteration, not the 1 + 1/7 of depth ``K``'s positions). Until a first position is measured, ``E(k) = 1``.
+
+The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth).
+The controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``.
 
 Costs not measured: at a batch size with two or more depths measured, interpolated between the measured depths
 around ``k``, or extrapolated linearly from the deepest two (never falling with depth). Else each depth takes the
@@ -18,7 +24,9 @@ interpolated as above. A cost's second sample replaces its first (which may be a
 
 The first iterations measure two depths. Without shadow acceptance: the deepest first (it measures the acceptance
 of every position at once), then plain steps. With it: plain steps first (they cost what plain decoding costs, and
-their unverified drafts measure acceptance), then depth 1, the cheapest verify.
+their unverified drafts measure acceptance), then depth 1, the cheapest verify; and the first iteration at any batch
+size whose plain step was not measured is a plain step (it anchors the costs scaled from other batch sizes, where a
+verify of a few tokens may have cost what a plain step did).
 
 Every so often the controller explores: a depth measured fewer than twice, the nearest to its choice first
 (interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1 did), else a
@@ -68,13 +76,15 @@ class DraftLengthController:
         if self.shadow:
             if self.shadow_reached[0] <= 0:
                 return 1.0
-            total, rate, chance = 1.0, 1.0, 1.0
-            for i in range(k):
-                if self.shadow_reached[i] > 0:
-                    chance = self.shadow_agreed[i] / self.shadow_reached[i]
-                rate *= chance
-                total += rate
-            return total
+            at_least, chance = [1.0], 1.0  # P(m >= d), d = 0 .. K
+            for reached, agreed in zip(self.shadow_reached, self.shadow_agreed):
+                chance = agreed / reached if reached > 0 else chance
+                at_least.append(at_least[-1] * chance)
+            top = self.max_depth
+            exactly = [at_least[m] - (at_least[m + 1] if m < top else 0.0) for m in range(top + 1)]  # P(m)
+            tokens = sum(p * (1 + m) for m, p in enumerate(exactly))  # per draft position at depth K's
+            visits = sum(p * (1 + m) / (1 + min(m, k)) for m, p in enumerate(exactly))
+            return tokens / visits
         total, rate = 1.0, 1.0
         for d in range(1, k + 1):
             rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
@@ -86,6 +96,8 @@ class DraftLengthController:
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
+        if self.shadow and 0 not in self._by_bs.get(bs, {}):
+            return 0
         costs = self.costs(bs)
         best = max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / costs[k])
         if self.explore_every <= 0:

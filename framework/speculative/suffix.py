@@ -199,9 +199,12 @@ class SuffixDrafter(Drafter):
             self.corpus = SuffixCorpus(cfg.suffix_cache_tokens, self.device)
 
     def propose_device(self, history: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain drafts ``[bs, num_steps]`` and their validity from the token histories and the corpus (v2)."""
+        """Chain drafts ``[bs, num_steps]`` and their validity from the token histories and the corpus (v2; inside a
+        CUDA graph over the whole ring, eagerly over its filled slots only)."""
         corpus = self.corpus
-        return suffix_chain_device(history, lens, corpus.tokens if corpus else None, corpus.start if corpus else None,
+        ring = None if corpus is None else \
+            (corpus.tokens, corpus.start) if torch.compiler.is_compiling() else corpus.window()
+        return suffix_chain_device(history, lens, ring[0] if ring else None, ring[1] if ring else None,
                                    self._limits, self.cfg.num_steps, self.cfg.min_token_prob)
 
     def on_finished(self, reqs: list[Request]) -> None:

@@ -10,6 +10,7 @@ the device tensors keep their addresses (CUDA graphs read them)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,11 +34,24 @@ class SuffixCorpus:
         self._entries: deque[tuple[int, int]] = deque()  # (first slot, slots with the separator), oldest first
         self._head = 0  # the next free slot
         self._used = 0
+        self._origin = torch.zeros(1, dtype=torch.int64, device=device)  # [1] a window's oldest slot
 
     @property
     def num_tokens(self) -> int:
         """Tokens held (separators not counted)."""
         return self._used - len(self._entries)
+
+    def window(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """For drafting outside CUDA graphs: (the slots that hold requests, oldest first, each request followed by
+        its separator; its oldest slot, 0), or None while no request is held. Drafting over it gives what drafting
+        over the whole ring gives (the same occurrences in the same order), scanning only the filled slots."""
+        if not self._entries:
+            return None
+        first = self._entries[0][0]
+        end = first + self._used
+        view = self.tokens[first:end] if end <= self.capacity else \
+            torch.cat([self.tokens[first:], self.tokens[: end - self.capacity]])
+        return view, self._origin
 
     def sequences(self) -> list[list[int]]:
         """The requests' tokens held, oldest first (from the host's copy)."""
