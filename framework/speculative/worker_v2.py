@@ -189,7 +189,8 @@ class SpecV2Worker:
         q = self.adaptive.choose(bs) + 1 if self.adaptive is not None else self.q  # (from results known so far)
         padded_bs = runner.padded_size(bs) if runner.compiled else bs
         rows = self._rows_tensor(reqs, padded_bs)
-        bounds = [self._assigned[r.row] for r in reqs] + [q] * (padded_bs - bs)  # host bounds of seq_lens
+        # host bounds of seq_lens: the committed length, the pending iterations' largest advance, and this one's q
+        bounds = [r.kv_len + self.q * r.spec_inflight + q for r in reqs] + [q] * (padded_bs - bs)
         sampling = self._sampling.get(reqs, padded_bs)
         return self._run(step, rows, bounds, sampling, q)
 
