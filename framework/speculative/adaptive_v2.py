@@ -33,6 +33,7 @@ from framework.batch import ForwardMode, SamplingBatch
 from framework.config import SpeculativeConfig
 from framework.kv import DUMMY_ROW
 from framework.scheduler import ScheduledStep
+from framework.transfer import upload
 
 if TYPE_CHECKING:
     from framework.speculative.worker_v2 import SpecV2Worker
@@ -128,7 +129,7 @@ class ShadowAcceptance:
 
     def reset(self, rows: list[int]) -> None:
         """Rows that a new request takes (its prefill completes): no pending draft."""
-        self.at[torch.as_tensor(rows, dtype=torch.int64).to(self.at.device)] = -1
+        self.at[upload(np.asarray(rows, dtype=np.int64), self.at.device)] = -1  # (never waits for the device)
 
     def update(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
                valid: torch.Tensor) -> None:
