@@ -69,11 +69,11 @@ def test_shadow_acceptance_and_plain_steps_first():
     before it agreed, a position not reached yet taking the last measured chance."""
     ctl = DraftLengthController(max_depth=5, explore_every=0, shadow=True)
     assert ctl.choose(8) == 0
-    ctl.record(8, 0, [1] * 8, 1.0, shadow=([0] * 5, [0] * 5))
+    ctl.record(8, 0, [1] * 8, 1.0, shadow=[[0] * 10])
     assert ctl.expected_tokens(5) == 1.0 and ctl.choose(8) == 1
     # 8 drafts: position 0 agreed for 4 of them, position 1 for 2 of those 4; nothing deeper reached yet
     # (half of the drafts settle 0 deep, a quarter 1 deep, ...)
-    ctl.record(8, 1, [1] * 8, 1.1, shadow=([8, 4, 0, 0, 0], [4, 2, 0, 0, 0]))
+    ctl.record(8, 1, [1] * 8, 1.1, shadow=[[8, 4, 0, 0, 0, 4, 2, 0, 0, 0]])
     deepest = 1 + 0.5 + 0.25 + 0.125 + 0.0625 + 0.03125  # positions 2 .. 4 take position 1's chance, 0.5
     assert ctl.expected_tokens(5) == pytest.approx(deepest)
     # depth 1's iterations visit the drafts' positions reweighted: P(m) (1 + min(m, 5)) / (1 + min(m, 1))
@@ -83,6 +83,23 @@ def test_shadow_acceptance_and_plain_steps_first():
     assert ctl.estimated_cost(8, 3) == pytest.approx(1.3)  # extrapolated from depths 0 and 1
     assert ctl.choose(8) == 2  # 1.83 / 1.2 beats 1.60 / 1.1, 1.92 / 1.3, 1.97 / 1.5
     assert ctl.choose(32) == 0  # a batch size whose plain step was not measured: a plain step first
+
+
+def test_shadow_acceptance_of_the_batchs_own_requests():
+    """Rows 0-7 copy whole drafts, rows 8-15 never agree: over all 16 the shared estimate pays a middling depth,
+    but a batch of the 8 that never agree (a long request's tail) decodes plainly and the 8 that copy draft the
+    deepest; a row a new request takes starts from the shared estimate again."""
+    ctl = DraftLengthController(max_depth=4, explore_every=0, shadow=True)
+    copying, never = [1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0, 0]  # per draft: reached [4], agreed [4]
+    cost = {0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2}  # (per iteration, at every batch size)
+    for k in cost:
+        ctl.record(16, k, [1] * 16, cost[k])
+    for _ in range(30):
+        ctl.record(16, 0, [1] * 16, 1.0, shadow=[copying] * 8 + [never] * 8, rows=range(16))
+    assert 0 < ctl.choose(16, range(16)) < 4
+    assert ctl.choose(16, range(8, 16)) == 0 and ctl.choose(16, range(8)) == 4
+    ctl.forget(range(8))
+    assert ctl.choose(16, range(8)) == ctl.choose(16) == 2
 
 
 def test_a_cold_first_sample_does_not_stick():

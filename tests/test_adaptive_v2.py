@@ -71,7 +71,7 @@ def test_greedy_equals_plain_and_v1(reference, batch):
 
 
 def forced(llm: LLM, depth: int) -> LLM:
-    llm.engine.spec_worker.adaptive.choose = lambda bs: depth
+    llm.engine.spec_worker.adaptive.choose = lambda bs, rows=None: depth
     return llm
 
 
@@ -101,12 +101,13 @@ def test_shadow_drafts_are_compared_position_by_position_as_the_tokens_arrive():
     assert sh.counts.tolist() == [0] * 6 and sh.at.tolist() == [-1, 5, 5, -1]
     sh.update(rows, tokens, torch.tensor([7, 6, 1]), drafts, valid)  # row 1 knows 2 positions, row 2 one
     assert sh.counts.tolist() == [2, 1, 0, 1, 1, 0]  # reached: position 0 twice, 1 once; agreed: 0 once, 1 once
+    assert sh.per_row(rows[:2]).tolist() == [1, 1, 0, 1, 1, 0] + [1, 0, 0, 0, 0, 0]  # the same, per request
     assert sh.at.tolist() == [-1, 5, 6, -1] and sh.upto.tolist() == [0, 2, 0, 0]  # row 2 settled (0 deep): anew
     sh.update(rows, tokens, torch.tensor([8, 6, 1]), drafts, valid)  # row 1's third position: 5, not 9
     assert sh.counts.tolist() == [2, 1, 1, 1, 1, 0] and sh.at.tolist() == [-1, 8, 6, -1]
-    assert sh.increments(sh.counts.numpy()) == ([2, 1, 1], [1, 1, 0])
+    assert sh.per_row(rows[:2]).tolist() == [0, 0, 1, 0, 0, 0] + [0] * 6  # row 1's third position, this update
     sh.reset([1])
-    assert sh.at.tolist() == [-1, -1, 6, -1] and sh.increments(sh.counts.numpy()) == ([0, 0, 0], [0, 0, 0])
+    assert sh.at.tolist() == [-1, -1, 6, -1]
 
 
 def test_plain_steps_measure_acceptance_from_unverified_drafts():
@@ -151,7 +152,7 @@ def test_largest_width_samples_as_the_fixed_depth_worker():
 class CycleDepths(DraftLengthController):
     """Every depth in turn, the deepest first (the KV contract at every width, whatever the policy would pick)."""
 
-    def choose(self, bs: int) -> int:
+    def choose(self, bs: int, rows=None) -> int:
         self.iterations += 1
         return (self.max_depth + 1 - self.iterations) % (self.max_depth + 1)
 

@@ -83,9 +83,27 @@ def test_v2_iteration_does_not_synchronize(drafter):
     engine.allocator.assert_all_free()
 
 
+def test_startup_compiles_the_model_once_per_verify_width():
+    """The prepare-and-verify program holds the whole model: compiled once per width whatever the sampling (greedy,
+    sampling and top-k / top-p batches share it; their finishes are small programs of their own), and once for
+    every batch size (size 1 runs padded to 2, so dynamo's size-1 specialisation never compiles it again)."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    since = len(list(get_compilation_metrics()))
+    llm = LLM(cuda_overrides(*BASE, "compile.batch_sizes=[1,2,4]"))
+    assert llm.engine.spec_worker._fused is not None and llm.engine.spec_worker.padded_size(1, 5) == 2
+    names = [m.co_name for m in list(get_compilation_metrics())[since:]]
+    assert names.count("_verify_logits_q5") == 1, names
+    assert names.count("_finish_greedy_q5") == 1 and names.count("_finish_sampling_q5") == 1, names
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert all(o.token_ids for o in llm.generate(items()[:1]))  # batch 1: the padded program
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+    llm.engine.allocator.assert_all_free()
+
+
 def test_first_filtered_sampling_batch_compiles_nothing():
-    """Start-up records the fused iteration and the three-program path that top-k / top-p batches take, so the first
-    such batch replays graphs instead of compiling while serving."""
+    """Start-up records the prepare-and-verify program that top-k / top-p batches share with the others (their
+    finish runs eagerly), so the first such batch replays graphs instead of compiling while serving."""
     llm = LLM(cuda_overrides(*BASE))
     assert llm.engine.spec_worker._fused is not None
     llm.generate([{"prompt": p, "max_tokens": 16} for p in PROMPTS[:4]])  # greedy: the prefill paths run once

@@ -47,6 +47,11 @@ class AttentionBackend:
     def init_metadata(self, batch: ForwardBatch) -> Any:
         raise NotImplementedError
 
+    def expect_q_lens(self, q_lens: list[int]) -> None:
+        """The tokens per request that uniform batches will have. A backend that caches state per ``q_len`` fills it
+        here, before the programs that read it compile: a cache that grows under a compiled program's guards makes
+        dynamo compile that program again."""
+
     def uniform_metadata(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          q_len: int) -> Optional[Any]:
         """The metadata of a uniform batch of ``q_len`` causal tokens per request (no custom mask) from device

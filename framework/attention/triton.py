@@ -99,6 +99,10 @@ class TritonBackend(AttentionBackend):
         self._det_attention = det_attention
         self._det_split = split_len(self.allocator.req_to_token.shape[1], self.allocator.device.type)
 
+    def expect_q_lens(self, q_lens: list[int]) -> None:
+        for q_len in q_lens:
+            self.policy(q_len)
+
     def policy(self, q_len: int) -> tuple[int, int, int]:
         """(max_splits, target_programs, min_split_len) of the split-K kernel for ``q_len`` tokens per request."""
         if q_len not in self._policies:

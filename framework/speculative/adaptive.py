@@ -12,7 +12,13 @@ where iterations of the deepest drafts (``K``) would start; an iteration of dept
 a policy visits a stretch of positions in proportion to ``1 / (1 + min(m, k))``, so the drafts are reweighted to
 depth ``k``'s iterations: ``E(k) = sum_m P(m) w_m / sum_m P(m) w_m / (1 + min(m, k))`` with ``w_m = 1 + min(m, K)``
 (``E(K) = 1 + r_1 + ... + r_K``; where half the positions copy ``K`` deep and half nothing, depth 1 emits 1.33 an
-iteration, not the 1 + 1/7 of depth ``K``'s positions). Until a first position is measured, ``E(k) = 1``.
+iteration, not the 1 + 1/7 of depth ``K``'s positions). Until a first position is measured, ``E(k) = 1``. The
+chances are those of the batch's own requests: each request's counts (decayed per draft it starts, so a request
+that stops copying is seen to) are pooled over the batch, and each position's chance is drawn towards the shared
+estimate over all requests by ``prior`` positions' worth (a new request, or one with few drafts, takes the shared
+one). A batch's mix changes as requests finish: the last requests of a batch can accept nothing where the first
+ones copied whole drafts, and a shared estimate, which weighs every request of the busy start, would keep drafting
+deep for them.
 
 The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth).
 The controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``.
@@ -40,12 +46,16 @@ iterations at the deepest drafts where speculation did not pay).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+import numpy as np
 
 class DraftLengthController:
     """Chooses ``k`` in ``0 .. max_depth`` per iteration; :meth:`record` feeds back what the iteration gave."""
 
     def __init__(self, max_depth: int, explore_every: int = 16, decay: float = 0.995, cost_alpha: float = 0.2,
-                 max_explore_gap: int = 256, shadow: bool = False) -> None:
+                 max_explore_gap: int = 256, shadow: bool = False, request_decay: float = 0.95,
+                 prior: float = 4.0) -> None:
         self.max_depth = max_depth
         self.shadow = shadow  # acceptance also from unverified drafts (record's ``shadow``)
         self.explore_every = explore_every
@@ -56,6 +66,10 @@ class DraftLengthController:
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
         self.shadow_reached = [0.0] * max_depth  # [i]: unverified drafts whose position i was compared (decayed)
         self.shadow_agreed = [0.0] * max_depth  # [i]: those whose position i agreed
+        # per request, by its row: [row, 2 * max_depth] the same counts of its own drafts (reached, then agreed),
+        # decayed by request_decay per draft it starts; prior: how many positions the shared estimate weighs as
+        self.request_decay, self.prior = request_decay, prior
+        self._rows = np.zeros((0, 2 * max_depth))
         self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
         self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
         self.iterations = 0
@@ -69,16 +83,24 @@ class DraftLengthController:
         """(bs, k) -> the measured seconds per iteration."""
         return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
 
-    def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance as above. Else ``r_d`` is
-        capped by ``r_(d-1)`` (accepting d drafts means accepting d - 1), also where it was measured longer ago;
-        unmeasured: optimistic, ``r_(d-1)``."""
+    def expected_tokens(self, k: int, rows: Optional[Sequence[int]] = None) -> float:
+        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance as above; ``rows``: of
+        the batch of these requests (their own drafts' counts pooled, each position's chance drawn towards the shared
+        estimate's by ``prior`` positions). Else ``r_d`` is capped by ``r_(d-1)`` (accepting d drafts means
+        accepting d - 1), also where it was measured longer ago; unmeasured: optimistic, ``r_(d-1)``."""
         if self.shadow:
             if self.shadow_reached[0] <= 0:
                 return 1.0
-            at_least, chance = [1.0], 1.0  # P(m >= d), d = 0 .. K
+            chances, chance = [], 1.0  # [i]: position i agrees, given that 0 .. i - 1 did
             for reached, agreed in zip(self.shadow_reached, self.shadow_agreed):
                 chance = agreed / reached if reached > 0 else chance
+                chances.append(chance)
+            if rows is not None and len(rows) and self._rows.shape[0] > max(rows):
+                pooled = self._rows[list(rows)].sum(axis=0)  # [2 * K]
+                top = self.max_depth
+                chances = ((pooled[top:] + self.prior * np.asarray(chances)) / (pooled[:top] + self.prior)).tolist()
+            at_least = [1.0]  # P(m >= d), d = 0 .. K
+            for chance in chances:
                 at_least.append(at_least[-1] * chance)
             top = self.max_depth
             exactly = [at_least[m] - (at_least[m + 1] if m < top else 0.0) for m in range(top + 1)]  # P(m)
@@ -91,7 +113,8 @@ class DraftLengthController:
             total += rate
         return total
 
-    def choose(self, bs: int) -> int:
+    def choose(self, bs: int, rows: Optional[Sequence[int]] = None) -> int:
+        """The depth of the next iteration of ``bs`` requests (``rows``: theirs, for their own acceptance)."""
         self.iterations += 1
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
@@ -99,7 +122,7 @@ class DraftLengthController:
         if self.shadow and 0 not in self._by_bs.get(bs, {}):
             return 0
         costs = self.costs(bs)
-        best = max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k) / costs[k])
+        best = max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k, rows) / costs[k])
         if self.explore_every <= 0:
             return best
         if best != self._best:  # a new choice: explore around it at the base rate again
@@ -164,20 +187,35 @@ class DraftLengthController:
         """T(bs, k) as :meth:`costs` gives it."""
         return self.costs(bs)[k]
 
+    def forget(self, rows: Sequence[int]) -> None:
+        """New requests take these rows: their counts start from nothing."""
+        rows = [r for r in rows if r < self._rows.shape[0]]
+        self._rows[rows] = 0.0
+
     def record(self, bs: int, k: int, emitted: list[int], seconds: float,
-               shadow: tuple[list[int], list[int]] | None = None) -> None:
+               shadow: Optional[np.ndarray] = None, rows: Optional[Sequence[int]] = None) -> None:
         """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``;
-        ``shadow``: (unverified drafts whose position ``i`` was compared since the last iteration, those that agreed
-        there), each ``[max_depth]``."""
+        ``shadow`` ``[n, 2 * max_depth]``: per request, the unverified drafts whose position ``i`` was compared in
+        the iteration, then those that agreed there; ``rows`` ``[n]``: those requests' rows (their own counts)."""
         samples = self._samples.get((bs, k), 0)
         costs = self._by_bs.setdefault(bs, {})
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
         costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
         self._samples[(bs, k)] = samples + 1
         if self.shadow:
-            reached, agreed = shadow if shadow is not None else ([0] * self.max_depth, [0] * self.max_depth)
-            self.shadow_reached = [n * self.decay + r for n, r in zip(self.shadow_reached, reached)]
-            self.shadow_agreed = [n * self.decay + a for n, a in zip(self.shadow_agreed, agreed)]
+            top = self.max_depth
+            counts = np.zeros((0, 2 * top)) if shadow is None else np.asarray(shadow, dtype=float).reshape(-1, 2 * top)
+            total = counts.sum(axis=0).tolist() if len(counts) else [0.0] * 2 * top
+            self.shadow_reached = [n * self.decay + r for n, r in zip(self.shadow_reached, total[:top])]
+            self.shadow_agreed = [n * self.decay + a for n, a in zip(self.shadow_agreed, total[top:])]
+            if rows is not None and len(rows):
+                if max(rows) >= self._rows.shape[0]:
+                    grown = np.zeros((max(max(rows) + 1, 2 * self._rows.shape[0]), 2 * top))
+                    grown[: self._rows.shape[0]] = self._rows
+                    self._rows = grown
+                index = list(rows)
+                fade = self.request_decay ** counts[:, 0]  # [n] per draft a request started comparing
+                self._rows[index] = self._rows[index] * fade[:, None] + counts
             return
         if k == 0:
             return
@@ -190,10 +228,10 @@ class DraftLengthController:
 
 
 def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
-                     emitted: list[int], seconds: float,
-                     shadow: tuple[list[int], list[int]] | None = None) -> None:
+                     emitted: list[int], seconds: float, shadow: Optional[np.ndarray] = None,
+                     rows: Optional[Sequence[int]] = None) -> None:
     """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
-    ``seconds``; ``shadow``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
+    ``seconds``; ``shadow``, ``rows``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
     ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth -> iterations) counts it."""
-    controller.record(bs, k, emitted, seconds, shadow)
+    controller.record(bs, k, emitted, seconds, shadow, rows)
     draft_lengths[k] = draft_lengths.get(k, 0) + 1

@@ -85,7 +85,7 @@ def capture_widths(worker: "SpecV2Worker", cases: list[tuple[bool, bool]]) -> No
     dev = worker.device
     with loud_recompile_limit():
         for q in worker.widths:
-            for padded_bs in worker.engine.runner.batch_sizes:
+            for padded_bs in sorted({worker.padded_size(b, q) for b in worker.engine.runner.batch_sizes}):
                 rows = torch.full((padded_bs,), DUMMY_ROW, dtype=torch.int64, device=dev)
                 zeros = torch.zeros(padded_bs, dtype=torch.int64, device=dev)
                 for greedy, filtered in cases:
@@ -112,8 +112,9 @@ class ShadowAcceptance:
     those that agreed too. So the chance that position ``i`` is accepted after ``0 .. i - 1`` were is measured
     from every draft that reached it, settled or not (greedy; with sampling, the chance that a sampled token equals
     the drafted one is the chance that rejection sampling accepts a one-token draft), also while the controller
-    decodes plainly, without a verify spent on it. Counts accumulate on the device (in the iteration's graph) and
-    reach the host with the iteration's result.
+    decodes plainly, without a verify spent on it. Each iteration's counts per request (``row_counts[row]``, written
+    in the iteration's graph) reach the host with the iteration's result (:meth:`per_row`); ``counts`` accumulates
+    them over all requests on the device.
     """
 
     def __init__(self, num_rows: int, depth: int, device: torch.device) -> None:
@@ -122,9 +123,9 @@ class ShadowAcceptance:
         self.at = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # [rows] L of the draft; -1: none
         self.upto = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [rows] positions already counted
         self.counts = torch.zeros(2 * depth, dtype=torch.int64, device=device)  # [2 * depth] cumulative
-        self._host = np.zeros(2 * depth, dtype=np.int64)  # the counts as the host last applied them
+        self.row_counts = torch.zeros(num_rows, 2 * depth, dtype=torch.int64, device=device)  # the last update's
         if device.type == "cuda":  # read and written inside captured graphs
-            for t in (self.drafts, self.at, self.upto, self.counts):
+            for t in (self.drafts, self.at, self.upto, self.counts, self.row_counts):
                 torch._dynamo.mark_static_address(t)
 
     def reset(self, rows: list[int]) -> None:
@@ -144,16 +145,20 @@ class ShadowAcceptance:
         # position i counts where it is newly known and positions 0 .. i - 1 agreed
         reached = torch.cumprod(torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], dim=1).to(torch.int64), 1)
         counted = (pos >= upto[:, None]) & (pos < known[:, None]) & reached.bool()  # [bs, depth]
-        self.counts += torch.cat([counted.sum(dim=0), (counted & agree).sum(dim=0)])
+        new = torch.cat([counted, counted & agree], dim=1).to(torch.int64)  # [bs, 2 * depth]
+        self.counts += new.sum(dim=0)
+        self.row_counts[rows] = new
         settled = pending & ((known == self.depth) | (counted & ~agree).any(dim=1))  # [bs]
         fresh = (rows != DUMMY_ROW) & ((at < 0) | settled)  # [bs] takes the chain drafted now
         self.drafts[rows] = torch.where(fresh[:, None], torch.where(valid, drafts, -1), self.drafts[rows])
         self.at[rows] = torch.where(fresh, lens, at)
         self.upto[rows] = torch.where(fresh, torch.zeros_like(known), known)
 
-    def increments(self, counts: np.ndarray) -> tuple[list[int], list[int]]:
-        """Host: the cumulative ``counts`` an iteration's result carried -> (positions ``i`` reached since the last
-        call, those that agreed), each ``[num_steps]``."""
-        new = counts - self._host
-        self._host = counts.copy()
-        return new[: self.depth].tolist(), new[self.depth:].tolist()
+    def per_row(self, rows: torch.Tensor) -> torch.Tensor:
+        """In the iteration's finish (device): what the rows' last update counted, ``[bs * 2 * depth]`` (a row's
+        positions reached, then those that agreed), for the iteration's result."""
+        return self.row_counts[rows].reshape(-1)
+
+    def split(self, tail: np.ndarray, padded_bs: int) -> np.ndarray:
+        """Host: the end of an iteration's result -> its per-request counts ``[padded_bs, 2 * depth]``."""
+        return tail[-padded_bs * 2 * self.depth:].reshape(padded_bs, 2 * self.depth)

@@ -87,6 +87,7 @@ class SpecV2Worker:
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
         self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
         self._logits_index: dict[tuple[int, int], torch.Tensor] = {}
+        engine.runner.backend.expect_q_lens([1, *self.widths])  # (before anything that reads them compiles)
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
         self._prepare_fn = width_programs(self._prepare, self.widths, self.graphs, pass_width=True)
@@ -123,7 +124,7 @@ class SpecV2Worker:
                        logits: torch.Tensor) -> torch.Tensor:
         accept_lens, accept_tokens, bonus = verify_chain_greedy(tokens, valid, logits)
         self.history.append(rows, accept_tokens, accept_lens, bonus)
-        return self._result(accept_lens, accept_tokens)
+        return self._result(rows, accept_lens, accept_tokens)
 
     def _finish_sampling(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
                          temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
@@ -132,12 +133,14 @@ class SpecV2Worker:
         accept_lens, accept_tokens, bonus = verify_chain_sampling(tokens, valid, logits, temperatures, top_ks, top_ps,
                                                                   seeds, steps, need_top_k_top_p, draft_probs)
         self.history.append(rows, accept_tokens, accept_lens, bonus)
-        return self._result(accept_lens, accept_tokens)
+        return self._result(rows, accept_lens, accept_tokens)
 
-    def _result(self, accept_lens: torch.Tensor, accept_tokens: torch.Tensor) -> torch.Tensor:
+    def _result(self, rows: torch.Tensor, accept_lens: torch.Tensor, accept_tokens: torch.Tensor) -> torch.Tensor:
         """What the host reads of an iteration: accept lengths ``[bs]``, the emitted tokens ``[bs * q]``, and with
-        shadow acceptance its cumulative counts ``[2 * num_steps]``."""
-        parts = [accept_lens, accept_tokens.reshape(-1)] + ([self.shadow.counts] if self.shadow is not None else [])
+        shadow acceptance each request's counts ``[bs * 2 * num_steps]``."""
+        parts = [accept_lens, accept_tokens.reshape(-1)]
+        if self.shadow is not None:
+            parts.append(self.shadow.per_row(rows))
         return torch.cat(parts)
 
     # ---- host side --------------------------------------------------------------------------------------
@@ -158,6 +161,21 @@ class SpecV2Worker:
             self.history.start(rows, seqs, prompt_lens, sampled, index, samples)
             if self.shadow is not None:
                 self.shadow.reset(rows)
+                self.adaptive.forget(rows)
+
+    def padded_size(self, bs: int, q: int) -> int:
+        """The batch size an iteration of ``bs`` requests at width ``q`` runs at: the runner's captured size, but a
+        prepare-and-verify program (:class:`FusedIteration`) of two or more tokens skips size 1 for the next
+        captured size. Dynamo compiles a program once more for size 1 (it specialises sizes of 1), and that program
+        holds the whole model, while a padded request adds only ``q`` rows to a verify of ``q``. Width 1 (a plain
+        step) keeps size 1, where the decode forward runs its one-row kernels."""
+        runner = self.engine.runner
+        if not runner.compiled:
+            return bs
+        padded = runner.padded_size(bs)
+        if padded == 1 and q > 1 and self._fused is not None:
+            return next((b for b in runner.batch_sizes if b > 1), padded)
+        return padded
 
     def _rows_tensor(self, reqs: list[Request], padded_bs: int) -> torch.Tensor:
         rows = tuple(r.row for r in reqs) + (DUMMY_ROW,) * (padded_bs - len(reqs))
@@ -183,11 +201,14 @@ class SpecV2Worker:
 
     def launch(self, step: ScheduledStep) -> SpecLaunched:
         """Queue one iteration for the step's requests (all prefilled); nothing here waits for the device."""
-        reqs, runner = step.reqs, self.engine.runner
+        reqs = step.reqs
         self._assign_slots(reqs)
         bs = len(reqs)
-        q = self.adaptive.choose(bs) + 1 if self.adaptive is not None else self.q  # (from results known so far)
-        padded_bs = runner.padded_size(bs) if runner.compiled else bs
+        if self.adaptive is not None:  # (from results known so far; shadow acceptance: of these requests)
+            q = self.adaptive.choose(bs, [r.row for r in reqs] if self.shadow is not None else None) + 1
+        else:
+            q = self.q
+        padded_bs = self.padded_size(bs, q)
         rows = self._rows_tensor(reqs, padded_bs)
         # host bounds of seq_lens: the committed length, the pending iterations' largest advance, and this one's q
         bounds = [r.kv_len + self.q * r.spec_inflight + q for r in reqs] + [q] * (padded_bs - bs)
@@ -201,29 +222,31 @@ class SpecV2Worker:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
-        if self._fused is not None and self._fused.serves(sampling):  # (its drafting time counts as verifying)
+        draft_probs = hidden = committed = None
+        if self._fused is not None:  # prepare and verify in one program (its drafting time counts as verifying)
             self._record(events, 1)
-            out = self._fused.run(rows, sampling, q)
-            self._record(events, 3)
-            self._record(events, 4)
-            return self._launched(step, padded_bs, out, events, q, t0)
-        tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn[q](rows)
+            tokens, valid, logits, steps = self._fused.run(rows, q)
+        else:
+            tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn[q](rows)
+            if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
+                ctx = SpecContext(reqs=step.reqs, kv_lens=[b - q for b in bounds], slots=slots, roots=tokens[:, 0],
+                                  kv_lens_t=committed, rows_t=rows, sampling=dataclasses.replace(sampling, steps=steps))
+                chain = self.drafter.propose(ctx)
+                tokens, valid, draft_probs = chain.tokens, chain.valid, chain.draft_probs
+            self._record(events, 1)
+            if (padded_bs, q) not in self._logits_index:
+                self._logits_index[padded_bs, q] = torch.arange(padded_bs * q, device=self.device)
+            batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1), positions=positions,
+                                 out_cache_loc=slots.reshape(-1), req_pool_indices=rows, seq_lens=seq_lens,
+                                 seq_lens_cpu=bounds, extend_lens_cpu=[q] * padded_bs,
+                                 logits_index=self._logits_index[padded_bs, q])
+            logits, hidden = self.engine.runner.forward(batch, new_step=False)
         sampling = dataclasses.replace(sampling, steps=steps)
-        draft_probs = None
-        if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
-            ctx = SpecContext(reqs=step.reqs, kv_lens=[b - q for b in bounds], slots=slots, roots=tokens[:, 0],
-                              kv_lens_t=committed, rows_t=rows, sampling=sampling)
-            chain = self.drafter.propose(ctx)
-            tokens, valid, draft_probs = chain.tokens, chain.valid, chain.draft_probs
-        self._record(events, 1)
-        if (padded_bs, q) not in self._logits_index:
-            self._logits_index[padded_bs, q] = torch.arange(padded_bs * q, device=self.device)
-        batch = ForwardBatch(mode=ForwardMode.TARGET_VERIFY, input_ids=tokens.reshape(-1), positions=positions,
-                             out_cache_loc=slots.reshape(-1), req_pool_indices=rows, seq_lens=seq_lens,
-                             seq_lens_cpu=bounds, extend_lens_cpu=[q] * padded_bs,
-                             logits_index=self._logits_index[padded_bs, q])
-        logits, hidden = self.engine.runner.forward(batch, new_step=False)
         self._record(events, 2)
+        for t in (rows, tokens, valid, logits, steps, sampling.temperatures, sampling.top_ps, sampling.top_ks,
+                  sampling.seeds, draft_probs):  # (one compile serves every batch size of 2 or more)
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         if sampling.all_greedy:
             out = self._greedy_fn[q](rows, tokens, valid, logits)
         else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
@@ -259,11 +282,12 @@ class SpecV2Worker:
         padded_bs = launched.padded_bs
         lens = host[:padded_bs].tolist()
         tokens = host[padded_bs: padded_bs * (1 + launched.q)].reshape(padded_bs, launched.q)
-        finished, now = [], time.perf_counter()
+        finished, live, now = [], [], time.perf_counter()
         for b, req in enumerate(launched.step.reqs):
             req.spec_inflight -= 1
             if req.finished:  # finished (or aborted) after this iteration was launched: its tokens are dropped
                 continue
+            live.append(b)
             n = lens[b]
             req.kv_len += n  # the root and the accepted drafts now hold K/V
             req.spec_verify_steps += 1
@@ -279,8 +303,12 @@ class SpecV2Worker:
         bs = len(launched.step.reqs)
         seconds = self._account(lens[:bs], launched)
         if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
-            shadow = None if self.shadow is None else self.shadow.increments(host[-2 * self.cfg.num_steps:])
-            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds, shadow)
+            shadow = rows = None
+            if self.shadow is not None:  # the requests still running (another may hold a finished one's row now)
+                shadow = self.shadow.split(host, padded_bs)[live]
+                rows = [launched.step.reqs[b].row for b in live]
+            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds,
+                             shadow, rows)
         self.drafter.on_finished(finished)
         return finished
 

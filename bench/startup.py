@@ -1,0 +1,71 @@
+"""Engine start-up: how long it takes and which compiled programs it is made of.
+
+    python3 bench/startup.py -- model=smollm2_135m_random attention=triton speculative=ngram
+    python3 bench/startup.py --engines none ngram ngram,speculative.adaptive=true -- model=smollm2_135m_random \
+        attention=triton model.tokenizer=$TFS_TOKENIZER
+
+Builds one engine per ``--engines`` entry (``DRAFTER,OVERRIDE,...``; ``none``: no speculation) in this process, in
+turn, with the Hydra overrides after ``--``, and prints its start-up time and, per compiled function (dynamo's code
+name, e.g. ``_forward`` for the model runner, ``_verify_logits_q6`` for speculation v2's prepare-and-verify program of
+width 6), how many times dynamo compiled it and the seconds that took (``torch._dynamo.utils.get_compilation_metrics``).
+A whole-model compile costs tens of seconds on a GPU machine, so the count of whole-model programs is what start-up
+is made of. Engines after the first can reuse inductor's in-process and on-disk caches, so compare first engines (one
+call each) when the absolute time matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from framework.config import compose  # noqa: E402
+from framework.engine import Engine  # noqa: E402
+
+
+def compile_table(since: int) -> dict[str, list[float]]:
+    """code name -> [compiles, seconds] over the compilation metrics recorded after the first ``since``."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for m in list(get_compilation_metrics())[since:]:
+        row = table[m.co_name or "?"]
+        row[0] += 1
+        row[1] += m.entire_frame_compile_time_s or 0.0
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", nargs="+", default=["none"], metavar="DRAFTER")
+    ap.add_argument("extra", nargs="*", help="Hydra overrides for every engine (after --)")
+    args = ap.parse_args()
+    from torch._dynamo.utils import get_compilation_metrics
+
+    for spec in args.engines:
+        drafter, *own = spec.split(",")
+        overrides = list(args.extra) + ([] if drafter == "none" else [f"speculative={drafter}"]) + own
+        since = len(list(get_compilation_metrics()))
+        t0 = time.perf_counter()
+        engine = Engine(compose(["run.progress=false", *overrides]))
+        seconds = time.perf_counter() - t0
+        table = compile_table(since)
+        version = f" ({engine.spec_version})" if engine.spec_worker is not None else ""
+        print(f"{spec}{version}: start-up {seconds:.1f} s, {sum(int(n) for n, _ in table.values())} compiles "
+              f"taking {sum(s for _, s in table.values()):.1f} s", flush=True)
+        for name, (n, s) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {name:<36} {int(n):>3} compiles {s:>7.1f} s")
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
