@@ -97,7 +97,7 @@ def test_adaptive_widths_keep_the_distribution(monkeypatch, exact_joint):
     """speculative.adaptive=true in v2, its depth cycling through 2, 1, 0 (widths 3, 2, 1) from one iteration to the
     next: every iteration draws from its own first token's stream, whatever the width."""
     depths = itertools.cycle([2, 1, 0])
-    monkeypatch.setattr(DraftLengthController, "choose", lambda self, bs: next(depths))
+    monkeypatch.setattr(DraftLengthController, "choose", lambda self, bs, rows=None: next(depths))
     pairs = sample_pairs(SPECS["ngram_chain"] + ["speculative.adaptive=true"])
     assert chi_square_p(pairs, exact_joint) >= 0.01
 

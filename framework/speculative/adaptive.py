@@ -84,34 +84,37 @@ class DraftLengthController:
         return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
 
     def expected_tokens(self, k: int, rows: Optional[Sequence[int]] = None) -> float:
-        """E(k): tokens a request emits per iteration at depth ``k``. With shadow acceptance as above; ``rows``: of
-        the batch of these requests (their own drafts' counts pooled, each position's chance drawn towards the shared
-        estimate's by ``prior`` positions). Else ``r_d`` is capped by ``r_(d-1)`` (accepting d drafts means
-        accepting d - 1), also where it was measured longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        """E(k): tokens a request emits per iteration at depth ``k`` (:meth:`expected_tokens_by_depth`)."""
+        return self.expected_tokens_by_depth(rows)[k]
+
+    def expected_tokens_by_depth(self, rows: Optional[Sequence[int]] = None) -> list[float]:
+        """E(k) for k = 0 .. max_depth. With shadow acceptance as above; ``rows``: of the batch of these requests
+        (their own drafts' counts pooled, each position's chance drawn towards the shared estimate's by ``prior``
+        positions). Else ``r_d`` is capped by ``r_(d-1)`` (accepting d drafts means accepting d - 1), also where it
+        was measured longer ago; unmeasured: optimistic, ``r_(d-1)``."""
+        top = self.max_depth
         if self.shadow:
             if self.shadow_reached[0] <= 0:
-                return 1.0
+                return [1.0] * (top + 1)
             chances, chance = [], 1.0  # [i]: position i agrees, given that 0 .. i - 1 did
             for reached, agreed in zip(self.shadow_reached, self.shadow_agreed):
                 chance = agreed / reached if reached > 0 else chance
                 chances.append(chance)
             if rows is not None and len(rows) and self._rows.shape[0] > max(rows):
                 pooled = self._rows[list(rows)].sum(axis=0)  # [2 * K]
-                top = self.max_depth
                 chances = ((pooled[top:] + self.prior * np.asarray(chances)) / (pooled[:top] + self.prior)).tolist()
             at_least = [1.0]  # P(m >= d), d = 0 .. K
             for chance in chances:
                 at_least.append(at_least[-1] * chance)
-            top = self.max_depth
             exactly = [at_least[m] - (at_least[m + 1] if m < top else 0.0) for m in range(top + 1)]  # P(m)
             tokens = sum(p * (1 + m) for m, p in enumerate(exactly))  # per draft position at depth K's
-            visits = sum(p * (1 + m) / (1 + min(m, k)) for m, p in enumerate(exactly))
-            return tokens / visits
-        total, rate = 1.0, 1.0
-        for d in range(1, k + 1):
+            return [tokens / sum(p * (1 + m) / (1 + min(m, k)) for m, p in enumerate(exactly)) for k in range(top + 1)]
+        out, total, rate = [1.0], 1.0, 1.0
+        for d in range(1, top + 1):
             rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
             total += rate
-        return total
+            out.append(total)
+        return out
 
     def choose(self, bs: int, rows: Optional[Sequence[int]] = None) -> int:
         """The depth of the next iteration of ``bs`` requests (``rows``: theirs, for their own acceptance)."""
@@ -121,8 +124,8 @@ class DraftLengthController:
                 return k
         if self.shadow and 0 not in self._by_bs.get(bs, {}):
             return 0
-        costs = self.costs(bs)
-        best = max(range(self.max_depth + 1), key=lambda k: self.expected_tokens(k, rows) / costs[k])
+        costs, tokens = self.costs(bs), self.expected_tokens_by_depth(rows)
+        best = max(range(self.max_depth + 1), key=lambda k: tokens[k] / costs[k])
         if self.explore_every <= 0:
             return best
         if best != self._best:  # a new choice: explore around it at the base rate again
