@@ -102,6 +102,18 @@ def test_shadow_acceptance_of_the_batchs_own_requests():
     assert ctl.choose(16, range(8)) == ctl.choose(16) == 2
 
 
+def test_shadow_acceptance_explores_only_depths_that_could_pay():
+    """Drafts never agree (open-ended prompts): plain steps, the depth-1 probe, and explorations that stay at depth
+    1 (at depth-1's cost deeper drafts cannot pay: only their cost was unknown, and it is no lower)."""
+    ctl = DraftLengthController(max_depth=4, explore_every=4, shadow=True)
+    chosen = []
+    for _ in range(40):
+        k = ctl.choose(8)
+        chosen.append(k)
+        ctl.record(8, k, [1] * 8, 1.0 + 0.1 * k, shadow=[[1, 0, 0, 0, 0, 0, 0, 0]] * 8)
+    assert chosen[:2] == [0, 1] and set(chosen) == {0, 1} and chosen.count(1) <= 4
+
+
 def test_a_cold_first_sample_does_not_stick():
     ctl = DraftLengthController(max_depth=2, cost_alpha=0.2)
     for seconds in (5.0, 1.0, 2.0):  # a new shape's first run, then two warm ones

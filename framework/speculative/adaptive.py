@@ -137,11 +137,21 @@ class DraftLengthController:
         self._next_explore = self.iterations + self._gap
         self.explorations += 1
         sampled = [sum(n for (_, d), n in self._samples.items() if d == k) for k in range(self.max_depth + 1)]
-        unsure = [k for k in range(self.max_depth + 1) if sampled[k] < 2]
+        rate = tokens[best] / costs[best]
+        unsure = [k for k in range(self.max_depth + 1) if sampled[k] < 2 and self._could_pay(bs, k, tokens[k], rate)]
         if unsure:  # an interpolated or a single (cold) cost may hide a better depth: the one nearest the choice
             return min(unsure, key=lambda k: (abs(k - best), k))
         deeper = self.explorations % 2 == 1
         return best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
+
+    def _could_pay(self, bs: int, k: int, tokens: float, rate: float) -> bool:
+        """Whether depth ``k`` (``tokens`` per request an iteration) could beat ``rate`` tokens per second. With shadow
+        acceptance only its cost is unsure, and a verify of more drafts costs at least what the deepest depth
+        measured below ``k`` at this batch size did: where even that cost loses, exploring ``k`` is an iteration
+        spent for nothing (open-ended prompts, where no depth pays)."""
+        here = self._by_bs.get(bs, {})
+        below = [d for d in here if d < k]
+        return not (self.shadow and below) or tokens / here[max(below)] > rate
 
     def measured_cost(self, bs: int, k: int) -> float | None:
         """T(bs, k) measured at this batch size (where nothing was: at the nearest batch size measured); else the

@@ -87,6 +87,7 @@ class SpecV2Worker:
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
         self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
         self._logits_index: dict[tuple[int, int], torch.Tensor] = {}
+        self._eager_width: Optional[int] = None  # eager drafting: the history columns that can hold tokens
         engine.runner.backend.expect_q_lens([1, *self.widths])  # (before anything that reads them compiles)
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
@@ -104,7 +105,7 @@ class SpecV2Worker:
         lens = self.history.lens[rows]  # [bs] known tokens; the root is the last
         root = self.history.tokens[rows[:, None], (lens - 1)[:, None]]  # [bs, 1]
         if self.drafter.drafts_on_device and (q > 1 or self.shadow is not None):  # (q == 1: a plain step)
-            history = self.history.tokens[rows]  # [bs, width]
+            history = self.history.tokens[rows, : self._eager_width]  # [bs, width] (eager: the filled part)
             drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
             if self.shadow is not None:
                 self.shadow.update(rows, self.history.tokens, lens, drafts, valid)
@@ -227,6 +228,8 @@ class SpecV2Worker:
             self._record(events, 1)
             tokens, valid, logits, steps = self._fused.run(rows, q)
         else:
+            if not self.graphs:  # eager drafting scans the histories' filled part (64-token steps), not the table
+                self._eager_width = min(-(-(max(bounds) + 1) // 64) * 64, self.history.tokens.shape[1])
             tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn[q](rows)
             if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
                 ctx = SpecContext(reqs=step.reqs, kv_lens=[b - q for b in bounds], slots=slots, roots=tokens[:, 0],
