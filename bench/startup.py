@@ -8,8 +8,8 @@ Builds one engine per ``--engines`` entry (``DRAFTER,OVERRIDE,...``; ``none``: n
 turn, with the Hydra overrides after ``--``, and prints its start-up time and, per compiled function (dynamo's code
 name, e.g. ``_forward`` for the model runner, ``_verify_logits_q6`` for speculation v2's prepare-and-verify program of
 width 6), how many times dynamo compiled it and the seconds that took (``torch._dynamo.utils.get_compilation_metrics``).
-A whole-model compile costs tens of seconds on a GPU machine, so the count of whole-model programs is what start-up
-is made of. Engines after the first can reuse inductor's in-process and on-disk caches, so compare first engines (one
+The programs that hold the whole model are the large compiles, so their count is most of what start-up is made
+of. Engines after the first can reuse inductor's in-process and on-disk caches, so compare first engines (one
 call each) when the absolute time matters.
 """
 

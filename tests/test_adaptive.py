@@ -98,6 +98,7 @@ def test_shadow_acceptance_of_the_batchs_own_requests():
         ctl.record(16, 0, [1] * 16, 1.0, shadow=[copying] * 8 + [never] * 8, rows=range(16))
     assert 0 < ctl.choose(16, range(16)) < 4
     assert ctl.choose(16, range(8, 16)) == 0 and ctl.choose(16, range(8)) == 4
+    assert ctl.choose(16, [*range(8, 16), 99]) == 0  # a row with nothing counted yet adds nothing to the pool
     ctl.forget(range(8))
     assert ctl.choose(16, range(8)) == ctl.choose(16) == 2
 

@@ -100,8 +100,9 @@ class DraftLengthController:
             for reached, agreed in zip(self.shadow_reached, self.shadow_agreed):
                 chance = agreed / reached if reached > 0 else chance
                 chances.append(chance)
-            if rows is not None and len(rows) and self._rows.shape[0] > max(rows):
-                pooled = self._rows[list(rows)].sum(axis=0)  # [2 * K]
+            counted = [] if rows is None else [r for r in rows if r < self._rows.shape[0]]  # (others: none yet)
+            if counted:
+                pooled = self._rows[counted].sum(axis=0)  # [2 * K]
                 chances = ((pooled[top:] + self.prior * np.asarray(chances)) / (pooled[:top] + self.prior)).tolist()
             at_least = [1.0]  # P(m >= d), d = 0 .. K
             for chance in chances:

@@ -7,9 +7,9 @@ metadata from device tensors (:meth:`AttentionBackend.uniform_metadata`: ``atten
 forward are one ``torch.compile(mode="reduce-overhead")`` program (one CUDA graph replay, no static-input copies
 between them, inductor fuses prepare's small kernels with the forward's), and the finish that fits the batch's
 sampling follows: greedy or sampling (compiled, small) or top-k / top-p (eager). The model is compiled once per verify
-width, whatever the sampling: a whole-model compile is what start-up time is made of (about half a minute each for
-SmolLM2 on an H200), and one per sampling kind per width (greedy, sampling, and the runner's forward for top-k / top-p)
-made a fixed-depth n-gram engine start in over four minutes and an adaptive one (a program per width) in over nine.
+width, whatever the sampling: with one per sampling kind per width (greedy, sampling, and the runner's forward for
+top-k / top-p), each compiled twice (batch size 1 and the rest), a fixed-depth n-gram engine with the real SmolLM2 on
+an H200 had not started after about four and a half minutes, nor an adaptive one (a program per width) after nine.
 Each verify width the worker runs (``speculative.adaptive=true``: every width from 1 to ``num_steps + 1``) is a
 program of its own (:func:`adaptive_v2.width_programs`).
 """

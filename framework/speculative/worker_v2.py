@@ -247,7 +247,7 @@ class SpecV2Worker:
         sampling = dataclasses.replace(sampling, steps=steps)
         self._record(events, 2)
         for t in (rows, tokens, valid, logits, steps, sampling.temperatures, sampling.top_ps, sampling.top_ks,
-                  sampling.seeds, draft_probs):  # (one compile serves every batch size of 2 or more)
+                  sampling.seeds, draft_probs) if self.graphs else ():  # (one compile for batch sizes of 2 and more)
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         if sampling.all_greedy:
