@@ -38,7 +38,8 @@ from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
 from framework.speculative.adaptive import DraftLengthController, record_iteration
-from framework.speculative.adaptive_v2 import ShadowAcceptance, capture_widths, iteration_widths, width_programs
+from framework.speculative.adaptive_v2 import (ShadowAcceptance, any_width_program, capture_widths, iteration_widths,
+                                               mark_any_width, width_programs)
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
@@ -92,8 +93,9 @@ class SpecV2Worker:
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
         self._prepare_fn = width_programs(self._prepare, self.widths, self.graphs, pass_width=True)
-        self._greedy_fn = width_programs(self._finish_greedy, self.widths, self.graphs, pass_width=False)
-        self._sampling_fn = width_programs(self._finish_sampling, self.widths, self.graphs, pass_width=False)
+        # the finishes: one program each for every width (the width is a dynamic dimension of their inputs)
+        self._greedy_fn = any_width_program(self._finish_greedy, self.graphs)
+        self._sampling_fn = any_width_program(self._finish_sampling, self.graphs)
         # prepare, verify and finish as one program where the drafter and the backend allow it
         self._fused = FusedIteration(self) if FusedIteration.applies(self) else None
 
@@ -246,14 +248,13 @@ class SpecV2Worker:
             logits, hidden = self.engine.runner.forward(batch, new_step=False)
         sampling = dataclasses.replace(sampling, steps=steps)
         self._record(events, 2)
-        for t in (rows, tokens, valid, logits, steps, sampling.temperatures, sampling.top_ps, sampling.top_ks,
-                  sampling.seeds, draft_probs) if self.graphs else ():  # (one compile for batch sizes of 2 and more)
-            if t is not None:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if self.graphs:  # one compile serves most batch sizes and widths (dynamo specialises sizes of 1)
+            mark_any_width([rows, tokens, valid, logits, steps, sampling.temperatures, sampling.top_ps,
+                            sampling.top_ks, sampling.seeds, draft_probs], [tokens, valid, draft_probs])
         if sampling.all_greedy:
-            out = self._greedy_fn[q](rows, tokens, valid, logits)
+            out = self._greedy_fn(rows, tokens, valid, logits)
         else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
-            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn[q]
+            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
             out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                          sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
         self._record(events, 3)
