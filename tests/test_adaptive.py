@@ -162,3 +162,21 @@ def test_adaptive_with_a_model_drafter_fails_in_one_line_and_trees_fall_back_to_
                           "speculative.topk=2", "speculative.num_draft_tokens=6"])
     assert llm.engine.spec_version == "v1"  # (ngram chains run v2: tests/test_adaptive_v2.py)
     assert any("topk=2" in r.getMessage() and "running v1" in r.getMessage() for r in caplog.records)
+
+
+def test_shadow_acceptance_does_not_explore_a_verify_that_cannot_pay():
+    """Drafts never agree and a verify of two tokens per request costs 1.6 plain steps (a CPU): after the depth-1
+    probe, no iteration drafts (an exploration would cost 60% of a step for nothing)."""
+    ctl = DraftLengthController(max_depth=4, explore_every=4, shadow=True)
+    chosen = []
+    for _ in range(200):
+        k = ctl.choose(8)
+        chosen.append(k)
+        ctl.record(8, k, [1] * 8, 1.0 + 0.6 * k, shadow=[[1, 0, 0, 0, 0, 0, 0, 0]] * 8)
+    assert chosen[:2] == [0, 1] and chosen.count(1) == 1 and set(chosen) == {0, 1}
+    # new requests whose drafts agree: depth pays, and is found without exploring
+    for _ in range(20):
+        k = ctl.choose(8, range(8, 16))
+        chosen.append(k)
+        ctl.record(8, k, [1 + k] * 8, 1.0 + 0.6 * k, shadow=[[1, 1, 1, 1, 1, 1, 1, 1]] * 8, rows=range(8, 16))
+    assert chosen[-1] == 4, chosen[200:]

@@ -41,7 +41,9 @@ the costs around it stay current as the workload changes (both decay) and the ch
 a time. Explorations start ``explore_every`` iterations apart and the gap doubles, up to ``max_explore_gap``, while
 the choice holds; a new choice resets it. Exploring costs little: a neighbour's iteration is never far from the
 best one, and rarely run where the choice is stable (trying every depth in turn at a fixed rate spent whole
-iterations at the deepest drafts where speculation did not pay).
+iterations at the deepest drafts where speculation did not pay). With shadow acceptance, where every depth's
+acceptance is measured without verifying it, only costs are explored, and only where they could matter: a depth
+whose cost's lower bound already loses, or a neighbour whose estimated rate is far below the choice's, is not run.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
+
+# with shadow acceptance: a depth measured once is taken to cost at least this share of its measurement (a cold run
+# may be slower), and a neighbour of the choice is explored only if its estimated rate is at least this share of the
+# choice's (on a CPU a verify of two tokens per request costs about 1.5 plain steps: open-ended prompts, where a
+# draft is accepted one time in a hundred, lost 4-5% to explorations of depth 1)
+COLD_SLACK = 0.8
+NEIGHBOUR_MARGIN = 0.75
+
 
 class DraftLengthController:
     """Chooses ``k`` in ``0 .. max_depth`` per iteration; :meth:`record` feeds back what the iteration gave."""
@@ -143,16 +153,24 @@ class DraftLengthController:
         if unsure:  # an interpolated or a single (cold) cost may hide a better depth: the one nearest the choice
             return min(unsure, key=lambda k: (abs(k - best), k))
         deeper = self.explorations % 2 == 1
-        return best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
+        near = best + 1 if best == 0 or (deeper and best < self.max_depth) else best - 1
+        if self.shadow and tokens[near] / costs[near] < NEIGHBOUR_MARGIN * rate:
+            return best  # (its acceptance is measured anyway; its cost would have to be far off to pay)
+        return near
 
     def _could_pay(self, bs: int, k: int, tokens: float, rate: float) -> bool:
         """Whether depth ``k`` (``tokens`` per request an iteration) could beat ``rate`` tokens per second. With shadow
-        acceptance only its cost is unsure, and a verify of more drafts costs at least what the deepest depth
-        measured below ``k`` at this batch size did: where even that cost loses, exploring ``k`` is an iteration
-        spent for nothing (open-ended prompts, where no depth pays)."""
+        acceptance only its cost is unsure: a verify of more drafts costs at least what the deepest depth measured
+        below ``k`` at this batch size did, and a depth measured once (perhaps cold) at least ``COLD_SLACK`` of that
+        cost. Where even the lower bound loses, exploring ``k`` is an iteration spent for nothing (open-ended prompts,
+        where no depth pays)."""
+        if not self.shadow:
+            return True
         here = self._by_bs.get(bs, {})
-        below = [d for d in here if d < k]
-        return not (self.shadow and below) or tokens / here[max(below)] > rate
+        bounds = [here[max(d for d in here if d < k)]] if any(d < k for d in here) else []
+        if (measured := self.measured_cost(bs, k)) is not None:
+            bounds.append(COLD_SLACK * measured)
+        return not bounds or tokens / max(bounds) > rate
 
     def measured_cost(self, bs: int, k: int) -> float | None:
         """T(bs, k) measured at this batch size (where nothing was: at the nearest batch size measured); else the
