@@ -43,7 +43,7 @@ the choice holds; a new choice resets it. Exploring costs little: a neighbour's 
 best one, and rarely run where the choice is stable (trying every depth in turn at a fixed rate spent whole
 iterations at the deepest drafts where speculation did not pay). With shadow acceptance, where every depth's
 acceptance is measured without verifying it, only costs are explored, and only where they could matter: a depth
-whose cost's lower bound already loses, or a neighbour whose estimated rate is far below the choice's, is not run.
+whose cost's lower bound (a shallower depth's cost, also one scaled from another batch size) already loses, or a neighbour whose estimated rate is far below the choice's, is not run.
 """
 
 from __future__ import annotations
@@ -160,14 +160,13 @@ class DraftLengthController:
 
     def _could_pay(self, bs: int, k: int, tokens: float, rate: float) -> bool:
         """Whether depth ``k`` (``tokens`` per request an iteration) could beat ``rate`` tokens per second. With shadow
-        acceptance only its cost is unsure: a verify of more drafts costs at least what the deepest depth measured
-        below ``k`` at this batch size did, and a depth measured once (perhaps cold) at least ``COLD_SLACK`` of that
-        cost. Where even the lower bound loses, exploring ``k`` is an iteration spent for nothing (open-ended prompts,
-        where no depth pays)."""
+        acceptance only its cost is unsure: a verify of more drafts costs at least what a shallower depth does
+        (measured at this batch size or scaled from another, :meth:`measured_cost`), and a depth measured once
+        (perhaps cold) at least ``COLD_SLACK`` of that cost. Where even the lower bound loses, exploring ``k`` is an
+        iteration spent for nothing (open-ended prompts, where no depth pays)."""
         if not self.shadow:
             return True
-        here = self._by_bs.get(bs, {})
-        bounds = [here[max(d for d in here if d < k)]] if any(d < k for d in here) else []
+        bounds = [c for d in range(k) if (c := self.measured_cost(bs, d)) is not None]
         if (measured := self.measured_cost(bs, k)) is not None:
             bounds.append(COLD_SLACK * measured)
         return not bounds or tokens / max(bounds) > rate
