@@ -180,3 +180,20 @@ def test_shadow_acceptance_does_not_explore_a_verify_that_cannot_pay():
         chosen.append(k)
         ctl.record(8, k, [1 + k] * 8, 1.0 + 0.6 * k, shadow=[[1, 1, 1, 1, 1, 1, 1, 1]] * 8, rows=range(8, 16))
     assert chosen[-1] == 4, chosen[200:]
+
+
+def test_shadow_acceptance_tries_a_deeper_depth_that_would_clearly_pay():
+    """Depths 0-3 measured, depth 3 once at a noisy 1.5x its true cost: extrapolated, depths 4-5 look too dear to
+    beat depth 2, though every draft agrees. The controller measures them at once (their lower bound, depth 3's
+    cost, already pays clearly), not at its next exploration, and settles at depth 5."""
+    ctl = DraftLengthController(max_depth=5, explore_every=16, max_explore_gap=256, shadow=True)
+    cost = lambda k: 1.0 + 0.05 * k  # noqa: E731
+    for k, seconds in ((0, 1.0), (1, cost(1)), (2, cost(2)), (2, cost(2)), (3, 1.5 * cost(3)), (3, 1.5 * cost(3))):
+        ctl.record(1, k, [1 + k], seconds, shadow=[[1] * 5 + [1] * 5], rows=[1])
+    chosen = []
+    for _ in range(8):
+        k = ctl.choose(1, [1])
+        chosen.append(k)
+        ctl.record(1, k, [1 + k], cost(k), shadow=[[1] * 5 + [1] * 5], rows=[1])
+    assert 4 in chosen[:3] or 5 in chosen[:3], chosen
+    assert chosen[-1] == 5, chosen
