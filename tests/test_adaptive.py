@@ -83,6 +83,7 @@ def test_shadow_acceptance_and_plain_steps_first():
     assert ctl.estimated_cost(8, 3) == pytest.approx(1.3)  # extrapolated from depths 0 and 1
     assert ctl.choose(8) == 2  # 1.83 / 1.2 beats 1.60 / 1.1, 1.92 / 1.3, 1.97 / 1.5
     assert ctl.choose(32) == 0  # a batch size whose plain step was not measured: a plain step first
+    assert ctl.choose(9) == 2  # ... unless one within 1.25x of it was: its costs serve as they are
 
 
 def test_shadow_acceptance_of_the_batchs_own_requests():
@@ -197,3 +198,18 @@ def test_shadow_acceptance_tries_a_deeper_depth_that_would_clearly_pay():
         ctl.record(1, k, [1 + k], cost(k), shadow=[[1] * 5 + [1] * 5], rows=[1])
     assert 4 in chosen[:3] or 5 in chosen[:3], chosen
     assert chosen[-1] == 5, chosen
+
+
+def test_shadow_acceptance_bounds_a_deep_verify_by_the_slope_of_two_verifies():
+    """A CPU at batch 64: a verify's cost grows with its rows (depth 1: 1.6, depth 2: 2.2 plain steps), and drafts
+    agree 80% a position. Depths 4-5 could pay at depth 2's cost, but not at 2.2 + 0.6 a depth: not explored (depth
+    3 may be, as a neighbour of the choice)."""
+    ctl = DraftLengthController(max_depth=5, explore_every=4, shadow=True)
+    cost = lambda k: 1.0 + 0.6 * k  # noqa: E731
+    agree = [1.0] * 5 + [0.8] * 5  # per request an iteration: positions 0-4 compared, 0.8 of each agreed
+    chosen = []
+    for _ in range(120):
+        k = ctl.choose(64)
+        chosen.append(k)
+        ctl.record(64, k, [1] * 64, cost(k), shadow=[agree] * 64)
+    assert max(chosen) <= 3, chosen

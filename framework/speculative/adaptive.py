@@ -31,8 +31,9 @@ interpolated as above. A cost's second sample replaces its first (which may be a
 The first iterations measure two depths. Without shadow acceptance: the deepest first (it measures the acceptance
 of every position at once), then plain steps. With it: plain steps first (they cost what plain decoding costs, and
 their unverified drafts measure acceptance), then depth 1, the cheapest verify; and the first iteration at any batch
-size whose plain step was not measured is a plain step (it anchors the costs scaled from other batch sizes, where a
-verify of a few tokens may have cost what a plain step did).
+size with no plain step measured within 1.25x of it is a plain step (it anchors the costs scaled from other batch
+sizes, where a verify of a few tokens may have cost what a plain step did; a nearer batch size's costs serve as
+they are).
 
 Every so often the controller explores: a depth measured fewer than twice, the nearest to its choice first
 (interpolated costs can be wrong: on a CPU, verifying 2-4 drafts cost about what verifying 1 did), else a
@@ -64,6 +65,9 @@ NEIGHBOUR_MARGIN = 0.75
 # its cost's lower bound gives this many times the choice's rate (a noisy cost of depth 3 extrapolated to depths 4-5
 # kept suffix chains at depth 2 for 364 iterations of requests that copied whole drafts)
 PROMISE = 1.15
+# with shadow acceptance: a batch size without a plain step measured within this factor of it starts with one (as
+# requests finish a batch of 64 passes through dozens of sizes; a plain step at each cost a fifth of the iterations)
+NEAR_BATCH = 1.25
 
 
 class DraftLengthController:
@@ -139,7 +143,7 @@ class DraftLengthController:
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
-        if self.shadow and 0 not in self._by_bs.get(bs, {}):
+        if self.shadow and not any(0 in c and max(b, bs) <= NEAR_BATCH * min(b, bs) for b, c in self._by_bs.items()):
             return 0
         costs, tokens = self.costs(bs), self.expected_tokens_by_depth(rows)
         best = max(range(self.max_depth + 1), key=lambda k: tokens[k] / costs[k])
@@ -173,12 +177,21 @@ class DraftLengthController:
     def _could_pay(self, bs: int, k: int, tokens: float, rate: float) -> bool:
         """Whether depth ``k`` (``tokens`` per request an iteration) could beat ``rate`` tokens per second. With shadow
         acceptance only its cost is unsure: a verify of more drafts costs at least what a shallower depth does
-        (measured at this batch size or scaled from another, :meth:`measured_cost`), and a depth measured once
-        (perhaps cold) at least ``COLD_SLACK`` of that cost. Where even the lower bound loses, exploring ``k`` is an
-        iteration spent for nothing (open-ended prompts, where no depth pays)."""
+        (measured at this batch size or scaled from another, :meth:`measured_cost`), plus, where two verify depths
+        below ``k`` were measured, the least slope between measured neighbours over the depths past the deepest (a
+        verify's cost does not grow more slowly with its drafts further on; from a plain step to a verify it may
+        jump, so depth 0 gives no slope), and a
+        depth measured once (perhaps cold) at least ``COLD_SLACK`` of that cost. Where even the lower bound loses,
+        exploring ``k`` is an iteration spent for nothing (open-ended prompts, where no depth pays; on a CPU, deep
+        verifies of a large batch)."""
         if not self.shadow:
             return True
-        bounds = [c for d in range(k) if (c := self.measured_cost(bs, d)) is not None]
+        below = {d: c for d in range(k) if (c := self.measured_cost(bs, d)) is not None}
+        bounds = list(below.values())
+        verifies = sorted(d for d in below if d >= 1)
+        if len(verifies) >= 2:  # (the least slope between neighbours: one noisy cost does not make it steep)
+            slope = min((below[b] - below[a]) / (b - a) for a, b in zip(verifies, verifies[1:]))
+            bounds.append(below[verifies[-1]] + max(0.0, slope) * (k - verifies[-1]))
         if (measured := self.measured_cost(bs, k)) is not None:
             bounds.append(COLD_SLACK * measured)
         return not bounds or tokens / max(bounds) > rate
