@@ -5,6 +5,7 @@ token-identical to plain decoding with the chosen depths reported (n-gram in spe
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import pytest
 
@@ -22,6 +23,19 @@ def feed(ctl: DraftLengthController, bs: int, accept_depth: int, cost, rounds: i
     for _ in range(rounds):
         k = ctl.choose(bs)
         ctl.record(bs, k, [1 + min(k, accept_depth)] * bs, cost(k))
+        chosen.append(k)
+    return chosen
+
+
+def feed_shadow(ctl: DraftLengthController, bs: int, shadow: list[float], cost, rounds: int,
+                rows: Optional[range] = None) -> list[int]:
+    """Run ``rounds`` iterations where every request's unverified draft counts ``shadow`` (``[2 * max_depth]``:
+    positions compared, then agreed) and an iteration at depth k costs ``cost(k)`` seconds; ``rows``: the requests'
+    rows (their own counts). Returns the depths chosen."""
+    chosen = []
+    for _ in range(rounds):
+        k = ctl.choose(bs, rows)
+        ctl.record(bs, k, [1] * bs, cost(k), shadow=[shadow] * bs, rows=rows)
         chosen.append(k)
     return chosen
 
@@ -108,11 +122,7 @@ def test_shadow_acceptance_explores_only_depths_that_could_pay():
     """Drafts never agree (open-ended prompts): plain steps, the depth-1 probe, and explorations that stay at depth
     1 (at depth-1's cost deeper drafts cannot pay: only their cost was unknown, and it is no lower)."""
     ctl = DraftLengthController(max_depth=4, explore_every=4, shadow=True)
-    chosen = []
-    for _ in range(40):
-        k = ctl.choose(8)
-        chosen.append(k)
-        ctl.record(8, k, [1] * 8, 1.0 + 0.1 * k, shadow=[[1, 0, 0, 0, 0, 0, 0, 0]] * 8)
+    chosen = feed_shadow(ctl, 8, [1, 0, 0, 0, 0, 0, 0, 0], lambda k: 1.0 + 0.1 * k, rounds=40)
     assert chosen[:2] == [0, 1] and set(chosen) == {0, 1} and chosen.count(1) <= 4
 
 
@@ -169,18 +179,12 @@ def test_shadow_acceptance_does_not_explore_a_verify_that_cannot_pay():
     """Drafts never agree and a verify of two tokens per request costs 1.6 plain steps (a CPU): after the depth-1
     probe, no iteration drafts (an exploration would cost 60% of a step for nothing)."""
     ctl = DraftLengthController(max_depth=4, explore_every=4, shadow=True)
-    chosen = []
-    for _ in range(200):
-        k = ctl.choose(8)
-        chosen.append(k)
-        ctl.record(8, k, [1] * 8, 1.0 + 0.6 * k, shadow=[[1, 0, 0, 0, 0, 0, 0, 0]] * 8)
+    cost = lambda k: 1.0 + 0.6 * k  # noqa: E731
+    chosen = feed_shadow(ctl, 8, [1, 0, 0, 0, 0, 0, 0, 0], cost, rounds=200)
     assert chosen[:2] == [0, 1] and chosen.count(1) == 1 and set(chosen) == {0, 1}
     # new requests whose drafts agree: depth pays, and is found without exploring
-    for _ in range(20):
-        k = ctl.choose(8, range(8, 16))
-        chosen.append(k)
-        ctl.record(8, k, [1 + k] * 8, 1.0 + 0.6 * k, shadow=[[1, 1, 1, 1, 1, 1, 1, 1]] * 8, rows=range(8, 16))
-    assert chosen[-1] == 4, chosen[200:]
+    later = feed_shadow(ctl, 8, [1] * 8, cost, rounds=20, rows=range(8, 16))
+    assert later[-1] == 4, later
 
 
 def test_shadow_acceptance_tries_a_deeper_depth_that_would_clearly_pay():
@@ -191,11 +195,7 @@ def test_shadow_acceptance_tries_a_deeper_depth_that_would_clearly_pay():
     cost = lambda k: 1.0 + 0.05 * k  # noqa: E731
     for k, seconds in ((0, 1.0), (1, cost(1)), (2, cost(2)), (2, cost(2)), (3, 1.5 * cost(3)), (3, 1.5 * cost(3))):
         ctl.record(1, k, [1 + k], seconds, shadow=[[1] * 5 + [1] * 5], rows=[1])
-    chosen = []
-    for _ in range(8):
-        k = ctl.choose(1, [1])
-        chosen.append(k)
-        ctl.record(1, k, [1 + k], cost(k), shadow=[[1] * 5 + [1] * 5], rows=[1])
+    chosen = feed_shadow(ctl, 1, [1] * 10, cost, rounds=8, rows=range(1, 2))
     assert 4 in chosen[:3] or 5 in chosen[:3], chosen
     assert chosen[-1] == 5, chosen
 
@@ -207,9 +207,5 @@ def test_shadow_acceptance_bounds_a_deep_verify_by_the_slope_of_two_verifies():
     ctl = DraftLengthController(max_depth=5, explore_every=4, shadow=True)
     cost = lambda k: 1.0 + 0.6 * k  # noqa: E731
     agree = [1.0] * 5 + [0.8] * 5  # per request an iteration: positions 0-4 compared, 0.8 of each agreed
-    chosen = []
-    for _ in range(120):
-        k = ctl.choose(64)
-        chosen.append(k)
-        ctl.record(64, k, [1] * 64, cost(k), shadow=[agree] * 64)
+    chosen = feed_shadow(ctl, 64, agree, cost, rounds=120)
     assert max(chosen) <= 3, chosen

@@ -57,8 +57,8 @@ import numpy as np
 
 # with shadow acceptance: a depth measured once is taken to cost at least this share of its measurement (a cold run
 # may be slower), and a neighbour of the choice is explored only if its estimated rate is at least this share of the
-# choice's (on a CPU a verify of two tokens per request costs about 1.5 plain steps: open-ended prompts, where a
-# draft is accepted one time in a hundred, lost 4-5% to explorations of depth 1)
+# choice's (on open-ended prompts, where a draft is accepted one time in a hundred, the CPU lost 4-6% to plain
+# decoding at batch 32-64 while depth 1 was explored in 10-14 of 70-133 iterations)
 COLD_SLACK = 0.8
 NEIGHBOUR_MARGIN = 0.75
 # with shadow acceptance: a depth measured fewer than twice is tried at once, not at the next exploration, where even
@@ -66,7 +66,8 @@ NEIGHBOUR_MARGIN = 0.75
 # kept suffix chains at depth 2 for 364 iterations of requests that copied whole drafts)
 PROMISE = 1.15
 # with shadow acceptance: a batch size without a plain step measured within this factor of it starts with one (as
-# requests finish a batch of 64 passes through dozens of sizes; a plain step at each cost a fifth of the iterations)
+# requests finish, a batch of 64 passes through dozens of sizes, and a plain step at each would anchor costs that a
+# neighbouring size's serve as well)
 NEAR_BATCH = 1.25
 
 
@@ -92,6 +93,7 @@ class DraftLengthController:
         self._rows = np.zeros((0, 2 * max_depth))
         self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
         self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
+        self._depth_samples = [0] * (max_depth + 1)  # [k]: iterations measured at depth k, all batch sizes
         self.iterations = 0
         self.explorations = 0
         self._best: int | None = None  # the model's last choice
@@ -143,14 +145,15 @@ class DraftLengthController:
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
-        if self.shadow and not any(0 in c and max(b, bs) <= NEAR_BATCH * min(b, bs) for b, c in self._by_bs.items()):
+        if self.shadow and 0 not in self._by_bs.get(bs, {}) and \
+                not any(0 in c and max(b, bs) <= NEAR_BATCH * min(b, bs) for b, c in self._by_bs.items()):
             return 0
         costs, tokens = self.costs(bs), self.expected_tokens_by_depth(rows)
         best = max(range(self.max_depth + 1), key=lambda k: tokens[k] / costs[k])
         if self.explore_every <= 0:
             return best
         rate = tokens[best] / costs[best]
-        sampled = [sum(n for (_, d), n in self._samples.items() if d == k) for k in range(self.max_depth + 1)]
+        sampled = self._depth_samples
         if self.shadow:  # a depth barely measured that would pay clearly even at its cost's lower bound: try it now
             promising = [k for k in range(self.max_depth + 1)
                          if k != best and sampled[k] < 2 and self._could_pay(bs, k, tokens[k], PROMISE * rate)]
@@ -180,10 +183,9 @@ class DraftLengthController:
         (measured at this batch size or scaled from another, :meth:`measured_cost`), plus, where two verify depths
         below ``k`` were measured, the least slope between measured neighbours over the depths past the deepest (a
         verify's cost does not grow more slowly with its drafts further on; from a plain step to a verify it may
-        jump, so depth 0 gives no slope), and a
-        depth measured once (perhaps cold) at least ``COLD_SLACK`` of that cost. Where even the lower bound loses,
-        exploring ``k`` is an iteration spent for nothing (open-ended prompts, where no depth pays; on a CPU, deep
-        verifies of a large batch)."""
+        jump, so depth 0 gives no slope), and a depth measured once (perhaps cold) at least ``COLD_SLACK`` of that
+        cost. Where even the lower bound loses, exploring ``k`` is an iteration spent for nothing (open-ended
+        prompts, where no depth pays; on a CPU, deep verifies of a large batch)."""
         if not self.shadow:
             return True
         below = {d: c for d in range(k) if (c := self.measured_cost(bs, d)) is not None}
@@ -258,6 +260,7 @@ class DraftLengthController:
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
         costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
         self._samples[(bs, k)] = samples + 1
+        self._depth_samples[k] += 1
         if self.shadow:
             top = self.max_depth
             counts = np.zeros((0, 2 * top)) if shadow is None else np.asarray(shadow, dtype=float).reshape(-1, 2 * top)

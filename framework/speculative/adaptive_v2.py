@@ -73,8 +73,9 @@ def width_programs(fn: Callable, widths: list[int], compiled: bool, pass_width: 
 def any_width_program(fn: Callable, compiled: bool) -> Callable:
     """``fn`` for iterations of every width: compiled (``torch.compile(mode="reduce-overhead", fullgraph=True)``)
     once, with the width a dynamic dimension of its inputs (:func:`mark_any_width`). For programs that do not hold
-    the model (speculation v2's finishes): dynamo compiles them once for widths and batch sizes of 2 and more, and
-    once each where either is 1 (it specialises sizes of 1), where a program per width compiles twice per width."""
+    the model (speculation v2's finishes): dynamo compiles them once for widths of 3 and more at batch sizes of 2 and
+    more, and again where a size of 1 appears (width 1, a width-2 iteration's one draft column, batch size 1: it
+    specialises sizes of 1): 4 compiles where a program per width compiled one or two per width."""
     return torch.compile(fn, mode="reduce-overhead", fullgraph=True) if compiled else fn
 
 

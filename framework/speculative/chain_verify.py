@@ -22,13 +22,8 @@ from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens
 
 
 def _accepted(accept: torch.Tensor) -> torch.Tensor:
-    """``[bs]`` int64: length of the leading run of True in ``accept`` ``[bs, k]``.
-
-    NOTE: the run is counted over a leading True column and that one is taken off, so that the scan never runs over
-    a dimension of size 1 for ``k >= 1`` (dynamo specialises such a size, and a program compiled for every width,
-    ``adaptive_v2.any_width_program``, would compile once more for ``k = 1``)."""
-    lead = accept.new_ones(accept.shape[0], 1)  # (not accept[:, :1]: k may be 0)
-    return torch.cumprod(torch.cat([lead, accept], dim=1).to(torch.int64), dim=1).sum(dim=1) - 1
+    """``[bs]`` int64: length of the leading run of True in ``accept`` ``[bs, k]``."""
+    return torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)
 
 
 def verify_chain_greedy(tokens: torch.Tensor, valid: torch.Tensor,
