@@ -124,6 +124,7 @@ class Engine:
             self.backend.compiles_extend
         runner_settings = dict(compiled=compiled, batch_sizes=batch_sizes + [sc.max_running_requests],
                                skip_guards=config.compile.skip_guards, pdl=pdl, compile_extend=compile_extend,
+                               regional=config.compile.regional,
                                extend_graph_tokens=config.compile.prefill_graph_tokens if compile_extend else 0)
         self.runner = ModelRunner(self.model, self.backend, device=self.device, **runner_settings)
         if self.tp is not None:  # the other ranks build the same pool (their KV heads) and runner, then follow

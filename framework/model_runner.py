@@ -36,6 +36,13 @@ def configure_dynamo() -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 64))
+    # floats read by compiled code are model constants (attention scales, norm eps) that differ between the models of
+    # one process (a draft model, another engine): unspecialized (specialize_float=False in torch 2.11 and 2.13) the
+    # second value seen becomes a graph input read with .item(), which a nested compile region (compile.regional)
+    # cannot take in
+    # (torch 2.13: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")
+    if hasattr(cfg, "specialize_float"):
+        cfg.specialize_float = True
     if hasattr(cfg, "accumulated_recompile_limit"):
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
 
@@ -51,15 +58,18 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, compiled: bool,
                  batch_sizes: list[int], device: torch.device, skip_guards: bool = False,
                  pdl: bool = False, compile_extend: bool = False, extend_graph_tokens: int = 0,
-                 freeze: bool = True) -> None:
+                 freeze: bool = True, regional: bool = False) -> None:
         """``freeze=False``: on the CPU, compile without inductor's freezing, for a model whose weights change in
-        place between calls (freezing folds them into the graph as constants)."""
+        place between calls (freezing folds them into the graph as constants). ``regional``: compile.regional (the
+        model's layers as nested compile regions: framework/models/regions.py)."""
         self.model = model
         self.backend = backend
         self.device = device
         # compile.pdl, resolved: a compiling runner's kernels launch with PDL (its eager prefill's too)
         self.pdl = pdl and compiled
         model.pdl = backend.pdl = self.pdl
+        self.regional = regional and compiled
+        model.regional = self.regional
         self.compiled = compiled
         self.skip_guards = skip_guards and CAN_SKIP_GUARDS and compiled
         self._guarded: set = set()  # input signatures the compiled forward has run with full guards

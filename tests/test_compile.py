@@ -23,10 +23,13 @@ def eager_outputs():
 
 @pytest.fixture(scope="module", params=[1, 16])
 def compiled(request):
-    """Also with compile.skip_guards=true (opt-in); its process-wide stance is undone for the tests after these."""
+    """Also with compile.skip_guards=true (opt-in); its process-wide stance is undone for the tests after these.
+    Page size 1 compiles the layers' parts around attention as nested compile regions (compile.regional=true), page
+    size 16 as one flat graph (the default)."""
     from framework.compile_guards import restore_guards_process_wide
 
-    yield LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true"])
+    yield LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true",
+                          f"compile.regional={str(request.param == 1).lower()}"])
     restore_guards_process_wide()
 
 

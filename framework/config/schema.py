@@ -105,6 +105,10 @@ class CompileConfig:
     # prefill steps of up to this many tokens (all requests together) run from CUDA graphs, padded to a power of two
     # (at least 16) and to a captured batch size; larger ones take the dynamic inductor graph. 0: off
     prefill_graph_tokens: int = 512
+    # opt-in until timed on a GPU: the parts of a compiled forward's decoder layers around attention as nested compile
+    # regions (torch.compiler.nested_compile_region, torch >= 2.8): identical layers compiled once, not once per layer,
+    # for a shorter start-up (framework/models/regions.py)
+    regional: bool = False
 
 
 @dataclass

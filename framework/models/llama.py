@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.kv.pool import KVPool
+from framework.models.regions import run_layers
 from framework.parallel.comm import all_reduce, embed_vocab, gather_vocab
 from tfs_kernels.det_matmul import det_matmul
 from tfs_kernels.det_rmsnorm import det_rmsnorm
@@ -192,6 +193,19 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def pre_attention(self, x: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused layer (one process, not deterministic) up to attention, on the input ``x + delta`` (``x``
+        where ``delta`` is None) ``[n, hidden]``: returns that input and the qkv projection of its norm."""
+        if delta is not None:
+            x = x + delta
+        return x, self.self_attn.qkv_proj(self.input_layernorm(x))
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer after attention ``attn`` ``[n, heads * head_dim]``: returns the residual after
+        attention and the MLP's output, whose sum is the layer's output (see framework/models/regions.py)."""
+        x = x + self.self_attn.o_proj(attn)
+        return x, self.mlp(self.post_attention_layernorm(x))
+
 
 class LlamaForCausalLM(nn.Module):
     """Flat-token Llama: ``forward(input_ids [n], positions [n], meta, logits_index [m]) -> (logits, hidden)``."""
@@ -211,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         # vocabulary rows, each layer its heads and intermediate columns; ``args`` keep the whole model's sizes
         self.tp: Any = None
         self.deterministic = False  # model.deterministic: see set_deterministic
+        self.regional = False  # compile.regional: the layers as nested compile regions (set by the model runner)
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -272,8 +287,7 @@ class LlamaForCausalLM(nn.Module):
         # and only in uniform batches (a compiled prefill's metadata says it is not one)
         fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
                  and x.shape[0] <= min(FUSED_MAX_ROWS, GEMV_MAX_ROWS))
-        for layer in layers:
-            x = layer(x, rope, meta, fused, fused and self.pdl)
+        x = run_layers(layers, x, rope, meta, fused, fused and self.pdl, self.regional)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
             torch._check(logits_index.shape[0] == x.shape[0], lambda: "fused lm_head: logits of every row only")

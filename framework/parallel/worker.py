@@ -83,7 +83,8 @@ def follow(model: Any, config: Any, device: torch.device, dtype: torch.dtype, ch
     pool = model.kv_pool(allocator.num_slots, dtype, device)
     backend = build_backend(setup["attention"], pool, allocator, model.attention_args)
     runner = ModelRunner(model, backend, setup["compiled"], setup["batch_sizes"], device, setup["skip_guards"],
-                         setup["pdl"], setup["compile_extend"], setup["extend_graph_tokens"])
+                         setup["pdl"], setup["compile_extend"], setup["extend_graph_tokens"],
+                         regional=setup["regional"])
     group = dist.group.WORLD
     while True:
         msg = channel.recv()

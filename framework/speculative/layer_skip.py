@@ -83,7 +83,7 @@ class LayerSkipDrafter(ModelDrafter):
         backend = SlotAttention(engine.pool, engine.allocator, a.num_heads, a.num_kv_heads, a.head_dim,
                                 self.draft_model.layer_ids, cfg.search_requests)
         self.runner = ModelRunner(self.draft_model, backend, r.compiled, r.batch_sizes, engine.device,
-                                  r.skip_guards, r.pdl, freeze=False)
+                                  r.skip_guards, r.pdl, freeze=False, regional=r.regional)
         self.iterations = 0
         self.search_s = 0.0  # host wall time of the search rounds (inside the iterations' time)
         self.slot_copies = 0  # slot weight copies (candidates tried and switches)

@@ -60,7 +60,7 @@ class ModelDrafter(Drafter):
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             model_type=getattr(model.args, "model_type", "llama")))
         self.runner = ModelRunner(model, backend, eng.runner.compiled, eng.runner.batch_sizes, eng.device,
-                                  eng.runner.skip_guards, eng.runner.pdl)
+                                  eng.runner.skip_guards, eng.runner.pdl, regional=eng.runner.regional)
 
     def warmup(self) -> None:
         """Compile the draft-step shapes ahead of serving: one token per request, and topk for trees."""
