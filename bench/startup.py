@@ -7,7 +7,8 @@
 Builds one engine per ``--engines`` entry (``DRAFTER,OVERRIDE,...``; ``none``: no speculation) in this process, in
 turn, with the Hydra overrides after ``--``, and prints its start-up time and, per compiled function (dynamo's code
 name, e.g. ``_forward`` for the model runner, ``_verify_logits_q6`` for speculation v2's prepare-and-verify program of
-width 6), how many times dynamo compiled it and the seconds that took (``torch._dynamo.utils.get_compilation_metrics``).
+width 6), how many times dynamo compiled it and the seconds that took (``torch._dynamo.utils.get_compilation_metrics``),
+split into dynamo's tracing, AOTAutograd's and inductor's.
 The programs that hold the whole model are the large compiles, so their count is most of what start-up is made
 of. Engines after the first can reuse inductor's in-process and on-disk caches, so compare first engines (one
 call each) when the absolute time matters.
@@ -31,14 +32,17 @@ from framework.engine import Engine  # noqa: E402
 
 
 def compile_table(since: int) -> dict[str, list[float]]:
-    """code name -> [compiles, seconds] over the compilation metrics recorded after the first ``since``."""
+    """code name -> [compiles, seconds, of which the backend's (AOTAutograd and inductor; the rest is dynamo's
+    tracing), of which inductor's] over the compilation metrics recorded after the first ``since``."""
     from torch._dynamo.utils import get_compilation_metrics
 
-    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for m in list(get_compilation_metrics())[since:]:
         row = table[m.co_name or "?"]
         row[0] += 1
         row[1] += m.entire_frame_compile_time_s or 0.0
+        row[2] += getattr(m, "backend_compile_time_s", None) or 0.0
+        row[3] += getattr(m, "inductor_compile_time_s", None) or 0.0
     return table
 
 
@@ -58,10 +62,11 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         table = compile_table(since)
         version = f" ({engine.spec_version})" if engine.spec_worker is not None else ""
-        print(f"{spec}{version}: start-up {seconds:.1f} s, {sum(int(n) for n, _ in table.values())} compiles "
-              f"taking {sum(s for _, s in table.values()):.1f} s", flush=True)
-        for name, (n, s) in sorted(table.items(), key=lambda kv: -kv[1][1]):
-            print(f"    {name:<36} {int(n):>3} compiles {s:>7.1f} s")
+        print(f"{spec}{version}: start-up {seconds:.1f} s, {sum(int(row[0]) for row in table.values())} compiles "
+              f"taking {sum(row[1] for row in table.values()):.1f} s", flush=True)
+        for name, (n, s, backend, inductor) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {name:<36} {int(n):>3} compiles {s:>7.1f} s (dynamo {s - backend:.1f} s, "
+                  f"aot {backend - inductor:.1f} s, inductor {inductor:.1f} s)")
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
