@@ -20,7 +20,7 @@ from framework.models.loader import load_model
 from framework.parallel.leader import TPLeader, check_parallel
 from framework.request import Request, RequestOutput
 from framework.request_parsing import parse_request
-from framework.resolve import resolve_device, resolve_dtype, resolve_overlap, resolve_pdl
+from framework.resolve import resolve_device, resolve_dtype, resolve_overlap, resolve_pdl, resolve_regional
 from framework.sampling import RequestError, sample
 from framework.scheduler import ScheduledStep, Scheduler
 from framework.speculative import DRAFTERS
@@ -124,7 +124,7 @@ class Engine:
             self.backend.compiles_extend
         runner_settings = dict(compiled=compiled, batch_sizes=batch_sizes + [sc.max_running_requests],
                                skip_guards=config.compile.skip_guards, pdl=pdl, compile_extend=compile_extend,
-                               regional=config.compile.regional,
+                               regional=resolve_regional(config.compile.regional, compiled, self.model),
                                extend_graph_tokens=config.compile.prefill_graph_tokens if compile_extend else 0)
         self.runner = ModelRunner(self.model, self.backend, device=self.device, **runner_settings)
         if self.tp is not None:  # the other ranks build the same pool (their KV heads) and runner, then follow

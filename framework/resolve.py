@@ -1,4 +1,4 @@
-"""Start-up settings resolved against the machine: device, dtype, PDL, the overlapped loop."""
+"""Start-up settings resolved against the machine: device, dtype, PDL, the overlapped loop, compile regions."""
 
 from __future__ import annotations
 
@@ -47,3 +47,24 @@ def resolve_overlap(setting: str, device: torch.device, spec_version: Optional[s
             log.info("scheduler.overlap=auto: off, speculative.version=v1 runs the synchronous loop")
         return device.type == "cuda" and spec_version != "v1"
     return setting == "on"
+
+
+def resolve_regional(requested: bool, compiled: bool, model: torch.nn.Module) -> bool:
+    """``compile.regional``: on where it was asked for, the forward is compiled, this torch has nested compile regions
+    and the model's layers run in regions (Llama-family models); where it cannot be, one log line says why."""
+    if not (requested and compiled):
+        return False
+    from framework.models.regions import regions_available
+
+    why = None
+    if not regions_available():
+        why = f"torch {torch.__version__} has no torch.compiler.nested_compile_region (torch >= 2.8)"
+    elif not hasattr(model, "regional"):
+        why = f"{type(model).__name__}'s layers are not split into regions (Llama-family models are)"
+    elif getattr(model, "tp", None) is not None:
+        why = "tensor parallelism runs whole layers (their all-reduces)"
+    elif getattr(model, "deterministic", False):
+        why = "model.deterministic runs whole layers (tfs::det_matmul with the residual adds folded in)"
+    if why is not None:
+        log.warning("compile.regional=true: %s; the forward compiles as one flat graph", why)
+    return why is None

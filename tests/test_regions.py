@@ -139,3 +139,16 @@ def test_inductor_regions_equal_eager(engine, rows):
         model.regional = False
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_regional_resolves_with_one_line_where_it_cannot_apply(engine, caplog):
+    """compile.regional=true applies to a compiled Llama-family model; elsewhere one warning names the reason and
+    the forward compiles flat. Not asked for, or not compiled: off, silently."""
+    from framework.resolve import resolve_regional
+
+    assert resolve_regional(True, True, engine.model)
+    assert not resolve_regional(False, True, engine.model) and not resolve_regional(True, False, engine.model)
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        assert not resolve_regional(True, True, torch.nn.Linear(2, 2))
+    assert len(caplog.records) == 1 and "compile.regional=true: Linear's layers" in caplog.records[0].getMessage()
