@@ -30,10 +30,14 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("compile_mode", ["eager", "reduce_overhead"])
-def test_prefill_and_decode_logits_match_transformers_on_cuda(compile_mode):
+@pytest.mark.parametrize("compile_mode,regional", [("eager", False), ("reduce_overhead", False),
+                                                   ("reduce_overhead", True)])
+def test_prefill_and_decode_logits_match_transformers_on_cuda(compile_mode, regional):
+    """fp32 logits against transformers at every step; compiled: flat and with nested compile regions
+    (compile.regional; the 3 requests decode as a padded batch of 4, off the fused batch-1 path)."""
     llm = LLM(cuda_overrides("model=tiny_llama", "model.dtype=float32", f"compile={compile_mode}",
-                             "scheduler.max_running_requests=4", "compile.batch_sizes=[1,2,4]"))
+                             "scheduler.max_running_requests=4", "compile.batch_sizes=[1,2,4]",
+                             f"compile.regional={str(regional).lower()}"))
     hf = to_hf_llama(llm.engine.model).cuda()
     results = greedy_with_logits(llm.engine, PROMPTS, max_tokens=12)
     for ids, (generated, step_logits) in zip(PROMPTS, results):

@@ -156,6 +156,33 @@ def test_text_deltas_hold_back_partial_characters_and_stop_prefixes():
     assert stop_prefix_len("xxSTO", ["STOP", "O"]) == 3 and stop_prefix_len("abc", []) == 0
 
 
+def test_a_stream_that_falls_behind_gets_what_piled_up_in_one_chunk():
+    """Deltas queued behind the one a slow stream wakes for are sent as one chunk (with the finish when it is
+    queued too), in order, and nothing is lost."""
+    import asyncio
+
+    from framework.server.app import stream_events
+    from framework.server.loop import Event
+    from framework.server.protocol import APIError, ParsedRequest
+
+    async def chunks(events: list[Event]) -> list[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for event in events:
+            queue.put_nowait(event)
+        parsed = ParsedRequest("completion", {}, MODEL, stream=True, include_usage=False, max_tokens=None)
+        out = [c async for c in stream_events(None, "r", parsed, queue)]  # type: ignore[arg-type]
+        assert out[-1] == "data: [DONE]\n\n"
+        return [json.loads(c.removeprefix("data: ")) for c in out[:-1]]
+
+    deltas = [Event("delta", t) for t in ("The", " quick", " brown")]
+    got = asyncio.run(chunks(deltas + [Event("finish", " fox", "length")]))
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in got] == \
+        [("The quick brown fox", "length")]
+    err = Event("error", error=APIError("boom", status=500, type="server_error"))
+    got = asyncio.run(chunks(deltas[:2] + [err]))
+    assert got[0]["choices"][0]["text"] == "The quick" and got[1]["error"]["message"] == "boom"
+
+
 # ---- bad input: 400 with an OpenAI-style error naming the field; the server keeps serving -----------------
 LONG = "hello " * 1100  # more tokens than the 1024-token context
 

@@ -148,6 +148,19 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
+def _coalesce(event: Event, events: asyncio.Queue) -> tuple[str, Optional[Event]]:
+    """``event`` and the deltas queued behind it as one: (their text, the finish or error that ends them, else None).
+    A client that reads slower than the engine writes gets one chunk for what piled up, not one per token, so the
+    server's work per token does not grow when it falls behind (vLLM's output collector does the same)."""
+    text = ""
+    while event.kind == "delta":
+        text += event.text
+        if events.empty():
+            return text, None
+        event = events.get_nowait()
+    return text, event
+
+
 async def stream_events(loop: EngineLoop, rid: str, parsed: ParsedRequest,
                         events: asyncio.Queue) -> AsyncIterator[str]:
     """SSE chunks of one streaming request, ending with ``data: [DONE]``; aborts the request if the client goes
@@ -160,11 +173,16 @@ async def stream_events(loop: EngineLoop, rid: str, parsed: ParsedRequest,
             yield start
         while True:
             event: Event = await events.get()
-            if event.kind == "delta":
-                yield writer.text(event.text)
-            elif event.kind == "finish":
+            text, end = _coalesce(event, events)
+            if end is None or (text and end.kind != "finish"):
+                yield writer.text(text)
+                text = ""
+            if end is None:
+                continue
+            event = end
+            if event.kind == "finish":
                 done = True
-                yield writer.text(event.text, event.finish_reason)
+                yield writer.text(text + event.text, event.finish_reason)
                 if parsed.include_usage:
                     yield writer.usage(event.prompt_tokens, event.completion_tokens)
                 yield responses.SSE_DONE
