@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,9 +47,20 @@ def compile_table(since: int) -> dict[str, list[float]]:
     return table
 
 
+def report_progress(every_s: float, since: int, t0: float, stop: threading.Event) -> None:
+    """Every ``every_s`` seconds until ``stop``: the compiles finished so far (a start-up cut short by a time limit
+    still shows where its time went)."""
+    while not stop.wait(every_s):
+        table = compile_table(since)
+        done = ", ".join(f"{name} x{int(row[0])} {row[1]:.0f} s" for name, row in table.items())
+        print(f"  ... {time.perf_counter() - t0:.0f} s: {done or 'no compile finished yet'}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", nargs="+", default=["none"], metavar="DRAFTER")
+    ap.add_argument("--progress", type=float, default=60.0, metavar="SECONDS",
+                    help="print the compiles finished so far this often (0: never)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every engine (after --)")
     args = ap.parse_args()
     from torch._dynamo.utils import get_compilation_metrics
@@ -58,7 +70,13 @@ def main() -> None:
         overrides = list(args.extra) + ([] if drafter == "none" else [f"speculative={drafter}"]) + own
         since = len(list(get_compilation_metrics()))
         t0 = time.perf_counter()
-        engine = Engine(compose(["run.progress=false", *overrides]))
+        stop = threading.Event()
+        if args.progress > 0:
+            threading.Thread(target=report_progress, args=(args.progress, since, t0, stop), daemon=True).start()
+        try:
+            engine = Engine(compose(["run.progress=false", *overrides]))
+        finally:
+            stop.set()
         seconds = time.perf_counter() - t0
         table = compile_table(since)
         version = f" ({engine.spec_version})" if engine.spec_worker is not None else ""
