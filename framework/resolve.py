@@ -51,7 +51,8 @@ def resolve_overlap(setting: str, device: torch.device, spec_version: Optional[s
 
 def resolve_regional(requested: bool, compiled: bool, model: torch.nn.Module) -> bool:
     """``compile.regional``: on where it was asked for, the forward is compiled, this torch has nested compile regions
-    and the model's layers run in regions (Llama-family models); where it cannot be, one log line says why."""
+    and the model's layers run in regions (Llama-family and DeepSeek-V3.2 models); where it cannot be, one log line
+    says why."""
     if not (requested and compiled):
         return False
     from framework.models.regions import regions_available
@@ -60,7 +61,7 @@ def resolve_regional(requested: bool, compiled: bool, model: torch.nn.Module) ->
     if not regions_available():
         why = f"torch {torch.__version__} has no torch.compiler.nested_compile_region (torch >= 2.8)"
     elif not hasattr(model, "regional"):
-        why = f"{type(model).__name__}'s layers are not split into regions (Llama-family models are)"
+        why = f"{type(model).__name__}'s layers are not split into regions (Llama-family and DeepSeek-V3.2 models are)"
     elif getattr(model, "tp", None) is not None:
         why = "tensor parallelism runs whole layers (their all-reduces)"
     elif getattr(model, "deterministic", False):

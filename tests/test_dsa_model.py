@@ -102,11 +102,12 @@ def test_logits_and_greedy_match_transformers(checkpoint, page_size):
 
 
 def test_compiled_matches_transformers(checkpoint):
+    """Compiled, with the layers' parts around attention as nested compile regions (compile.regional)."""
     hf, path = checkpoint
     if hf.config.model_type == "glm_moe_dsa":
         pytest.skip("one compiled run per module: the deepseek_v32 checkpoint's")
     check_against_hf(hf, ours(path, "compile=reduce_overhead", "compile.batch_sizes=[1]",
-                              "scheduler.max_running_requests=1"))
+                              "scheduler.max_running_requests=1", "compile.regional=true"))
 
 
 def test_the_selection_drops_keys(checkpoint):

@@ -16,6 +16,7 @@ from torch import nn
 from framework.kv import MLAPool
 from framework.models.llama import RMSNorm
 from framework.models.mla import IndexReuse, MLAttention
+from framework.models.regions import run_split_layers
 from framework.models.moe import MoE, SwiGLU
 from tfs_kernels.rope_store import Rope, rope_at
 
@@ -100,6 +101,19 @@ class DsaDecoderLayer(nn.Module):
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x)), topk
 
+    def pre_attention(self, x: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream with the last layer's ``delta`` added, its input norm) ``[n, hidden]`` each: the
+        part before attention (framework/models/regions.py)."""
+        if delta is not None:
+            x = x + delta
+        return x, self.input_layernorm(x)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream with attention's output ``attn`` added, what the MLP adds to it) ``[n, hidden]``
+        each: the part after attention."""
+        x = x + attn
+        return x, self.mlp(self.post_attention_layernorm(x))
+
 
 class DsaForCausalLM(nn.Module):
     """``forward(input_ids [n], positions [n], meta, logits_index [m], layer_ids) -> (logits [m, vocab] float32,
@@ -117,6 +131,7 @@ class DsaForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = False  # (the Llama model's tfs::gemv decode path has no MLA counterpart)
+        self.regional = False  # compile.regional: the layers' parts around attention as nested compile regions
         self.pdl = False
         half = args.qk_rope_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half), persistent=False)
@@ -143,10 +158,14 @@ class DsaForCausalLM(nn.Module):
                 layer_ids: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed_tokens(input_ids)  # [n, hidden]
         rope = rope_at(self.rope_cos, self.rope_sin, positions)
-        topk = None
+        topk: list[Optional[torch.Tensor]] = [None]  # the last indexer's top-k, for layers that reuse it
+
+        def attend(layer: DsaDecoderLayer, h: torch.Tensor) -> torch.Tensor:
+            out, topk[0] = layer.self_attn(h, rope, meta, topk[0], None)  # [n, hidden]
+            return out
+
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
-        for layer in layers:
-            x, topk = layer(x, rope, meta, topk)
+        x = run_split_layers(layers, x, attend, self.regional)
         hidden = self.norm(x)  # [n, hidden]
         return self.lm_head(hidden[logits_index]).float(), hidden
 

@@ -23,7 +23,7 @@ layers are chains of opaque ops, with little for inductor to do.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch._inductor.config  # noqa: F401  (freezing, read while tracing)
@@ -69,13 +69,22 @@ def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, rope: Any, meta: An
         for layer in layers:  # whole layers (residual adds folded into their kernels; all-reduces)
             x = layer(x, rope, meta, fused, pdl)
         return x
+    # [n, q_size + 2 * kv_size] -> [n, heads * head_dim]
+    return run_split_layers(layers, x, lambda layer, qkv: layer.self_attn.attend(qkv, rope, meta), regional)
+
+
+def run_split_layers(layers: Sequence[nn.Module], x: torch.Tensor,
+                     attend: Callable[[nn.Module, torch.Tensor], torch.Tensor], regional: bool) -> torch.Tensor:
+    """``x`` ``[n, hidden]`` through ``layers`` in order, each as ``layer.pre_attention(x, delta) -> (x, h)``,
+    ``attend(layer, h) -> a`` and ``layer.post_attention(x, a) -> (x, delta)`` (the residual stream and what the
+    layer adds to it); ``regional``: the two parts around attention as nested compile regions while dynamo traces."""
     pre, post, traced = _pre, _post, None
     if regional and _REGIONS is not None and torch.compiler.is_compiling():
         pre, post = _REGIONS
         traced = _TRACED if torch._inductor.config.freezing else None
     delta = None
     for layer in layers:
-        # [n, hidden], [n, q_size + 2 * kv_size] (the first layer's inline: a region may not return its input)
-        x, qkv = (_pre if delta is None else pre)(layer, x, delta, traced)
-        x, delta = post(layer, x, layer.self_attn.attend(qkv, rope, meta), traced)
-    return x + delta
+        # (the first layer's first part inline: a region may not return its input)
+        x, h = (_pre if delta is None else pre)(layer, x, delta, traced)
+        x, delta = post(layer, x, attend(layer, h), traced)
+    return x if delta is None else x + delta
