@@ -147,7 +147,8 @@ class Engine:
             self.scheduler.prefix.share_at_launch = self.spec_version == "v2"  # (v1 fills it in on_prefill)
         worker = SpecV2Worker if self.spec_version == "v2" else SpecWorker
         self.spec_worker = worker(self, self.drafter, spec) if self.drafter is not None else None
-        self.runner.warmup(ForwardMode.DECODE, 1)
+        if self.spec_version != "v2":  # (v2 runs every decode step as its own iterations: no plain decode forward)
+            self.runner.warmup(ForwardMode.DECODE, 1)
         warmup_extend(self.runner, [[5], [40], [3, 4], [20, 30]])
         warmup_extend_graphs(self.runner, sc.max_running_requests)
         if self.spec_version == "v1":

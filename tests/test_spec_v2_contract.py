@@ -237,3 +237,32 @@ def test_eagle_v2_drafts_what_v1_drafts(page_size):
         llm.engine.allocator.assert_all_free()
         got[version] = seen
     assert got["v1"] and got["v1"] == got["v2"]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_v2_neither_records_nor_runs_a_plain_decode_forward(drafter, monkeypatch):
+    """v2 runs every decode step as its own iterations, so the target's runner records no plain DECODE graphs at
+    start-up (v1, which falls back to plain steps, does) and runs none while serving."""
+    from framework.model_runner import ModelRunner
+
+    calls: list[tuple] = []
+    warmup, forward = ModelRunner.warmup, ModelRunner.forward
+
+    def record_warmup(self, mode, *args, **kwargs):
+        calls.append((self, mode))
+        return warmup(self, mode, *args, **kwargs)
+
+    def record_forward(self, batch, *args, **kwargs):
+        calls.append((self, batch.mode))
+        return forward(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "warmup", record_warmup)
+    monkeypatch.setattr(ModelRunner, "forward", record_forward)
+    modes = {}
+    for version in ("v1", "v2"):
+        calls.clear()
+        llm = LLM(TINY + DRAFTERS[drafter] + ["scheduler.max_running_requests=8", f"speculative.version={version}"])
+        llm.generate(items(3))
+        modes[version] = {mode for runner, mode in calls if runner is llm.engine.runner}
+    assert ForwardMode.DECODE in modes["v1"]
+    assert ForwardMode.DECODE not in modes["v2"] and ForwardMode.TARGET_VERIFY in modes["v2"]
