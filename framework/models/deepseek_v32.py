@@ -16,8 +16,8 @@ from torch import nn
 from framework.kv import MLAPool
 from framework.models.llama import RMSNorm
 from framework.models.mla import IndexReuse, MLAttention
-from framework.models.regions import run_split_layers
 from framework.models.moe import MoE, SwiGLU
+from framework.models.regions import run_split_layers
 from tfs_kernels.rope_store import Rope, rope_at
 
 
