@@ -209,6 +209,7 @@ def main() -> None:
                 rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
                                      args.profile, args.max_tokens, args.prompt_tokens, args.prompts))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        engine.close()  # the next engine starts from clean compile state (framework/compile_state.py)
         del engine
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -26,7 +26,8 @@ class LLM:
         return self.engine.generate(items)
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel ranks (``parallel.tensor_parallel_size > 1``; also done at exit)."""
+        """Stop the engine's tensor-parallel ranks (``parallel.tensor_parallel_size > 1``; also done at exit) and let
+        the next engine built in this process start from clean compile state (framework/compile_state.py)."""
         self.engine.close()
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from framework import compile_state
 from framework.attention import build_backend
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import Config, ConfigError
@@ -118,6 +119,8 @@ class Engine:
             self.backend.set_deterministic()
         mode = config.compile.mode
         compiled = mode == "reduce_overhead" or (mode == "auto" and self.device.type == "cuda")
+        if compiled and self.device.type == "cuda":  # start from clean compile state (framework/compile_state.py)
+            compile_state.claim(self)
         batch_sizes = [b for b in config.compile.batch_sizes if b < sc.max_running_requests]
         pdl = resolve_pdl(config.compile.pdl, self.device)
         compile_extend = compiled and self.device.type == "cuda" and config.compile.prefill and \
@@ -168,7 +171,9 @@ class Engine:
                  f", speculative={spec.name} {self.spec_version}" if self.spec_version else "")
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do for one process); the engine cannot run afterwards."""
+        """Stop the tensor-parallel ranks (nothing to do for one process) and give up torch's compile state to the next
+        engine (framework/compile_state.py); the engine cannot run afterwards."""
+        compile_state.release(self)
         if self.tp is not None:
             self.tp.close()
 
