@@ -92,6 +92,7 @@ def run_mode(cache: bool, args: argparse.Namespace, overrides: list[str]) -> dic
     prompt = sched.num_prompt_tokens - before[1]
     cached = sched.num_cached_prompt_tokens - before[2]
     engine.allocator.assert_all_free()
+    engine.close()  # the next engine starts from clean compile state (framework/compile_state.py)
     return {"prefix_cache": cache, "prefill_tokens": sched.num_prefill_tokens - before[0],
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0, "ttft_p50_s": round(percentile(ttft, 0.5), 4),
             "ttft_p90_s": round(percentile(ttft, 0.9), 4),
