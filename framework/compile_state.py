@@ -3,9 +3,10 @@
 torch.compile keeps compiled code per Python code object, process-wide, and its CUDA graphs in one tree per device
 and thread (inductor's cudagraph trees). A second engine built in the same process therefore reuses the first one's
 compiled programs, and each of its graph replays first walks past the graphs that the first engine recorded, whose
-static inputs (the first model's weights and buffers) are not its own. On an H100 that made the second engine's
-steps about 2x as long as the same engine's in a fresh process (docs/PERFORMANCE.md, "A second engine in one
-process"), and the first engine's graphs kept their memory.
+static inputs (the first model's weights and buffers) are not its own; and where its pool differs in size, its
+recompiles make the K/V caches' sizes dynamic. On an H100 that made the second engine's batch-1 steps about 2x as
+long as the same engine's in a fresh process (docs/PERFORMANCE.md, "A second engine in one process"). The first
+engine's recorded graphs also stay in the tree, with their memory pool.
 
 So an engine that compiles on CUDA, built when an earlier such engine has gone (closed, or no longer referenced),
 calls ``torch._dynamo.reset()``: as in a fresh process (inductor's on-disk caches stay, so its compiles are mostly

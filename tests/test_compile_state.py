@@ -46,8 +46,9 @@ def test_an_engine_resets_what_a_gone_engine_left_and_never_what_a_live_one_uses
     assert resets == [1, 1]
 
 
-def test_engines_off_cuda_share_compiled_code(fresh_state):
-    """On the CPU nothing is reset: engines of one process (the test suite's) keep reusing compiled programs."""
+def test_compiled_engines_off_cuda_leave_compile_state_alone(fresh_state):
+    """On the CPU an engine neither claims nor resets torch's compile state (its runner's compiles are guarded on its
+    own frozen weights, and the CUDA-graph trees that a reset clears do not exist there)."""
     for _ in range(2):
         LLM(["model=tiny_llama", "compile=reduce_overhead", "compile.batch_sizes=[1]",
              "scheduler.max_running_requests=2"]).close()
