@@ -1,16 +1,18 @@
-"""Sweep ``tfs::gemv``'s launch parameters on a CUDA GPU and compare with cuBLAS on Llama-3-8B's linear shapes.
+"""Sweep ``tfs::gemv``'s launch parameters on a CUDA GPU and compare with cuBLAS on a model's linear shapes
+(Llama-3-8B's, or SmolLM2-135M's with ``--model smollm2``).
 
     python bench/tune_gemv.py                  # sweep at 1 and 8 rows, then the 32-layer chain
+    python bench/tune_gemv.py --model smollm2 --rows 5 8 --fused --layers 30   # a 5-row verify, a batch-8 decode
     python bench/tune_gemv.py --rows 1 --chain-only
     python bench/tune_gemv.py --rows 1 --fused --shapes down --no-chain   # down with SiLU-mul + residual fused in
 
 (1) For each (BLOCK_N, BLOCK_K, num_warps, num_stages), every shape's output is checked against ``F.linear`` and
 timed with ``triton.testing.do_bench`` (median, L2 flushed between runs); cuBLAS (``F.linear``) is timed the same
 way. Prints GB/s (weight bytes / time) per shape and each configuration's worst slowdown against the best one.
-(2) The chain: 32 layers' worth of distinct bf16 weights, each layer the four linears of a decoder layer with what
-surrounds them (RMSNorm, SiLU-mul, residual adds), once as torch ops (cuBLAS + separate elementwise kernels) and
-once as the four fused ``tfs::gemv`` calls, each captured in a CUDA graph; replay time against weight bytes over
-the measured copy bandwidth.
+(2) The chain: ``--layers`` (32) layers' worth of distinct bf16 weights, each layer the four linears of a decoder
+layer with what surrounds them (RMSNorm, SiLU-mul, residual adds), once as torch ops (cuBLAS + separate elementwise
+kernels) and once as the four fused ``tfs::gemv`` calls, each captured in a CUDA graph; replay time against weight
+bytes over the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -35,12 +37,21 @@ import tfs_kernels.gemv as gemv_module  # noqa: E402
 from tfs_kernels.gemv import PDL_PREFETCH_K, PDL_PRELOAD, gemv_reference, launch_class, launch_gemv  # noqa: E402
 from tfs_kernels.pdl import HAS_GDC  # noqa: E402
 
-HIDDEN, INTER, Q, KV, VOCAB = 4096, 14336, 4096, 1024, 128256
+# (hidden, intermediate, q width, k/v width, vocabulary) of the models whose linears the sweep and the chain use
+DIMS = {"llama3_8b": (4096, 14336, 4096, 1024, 128256), "smollm2": (576, 1536, 576, 192, 49152)}
+HIDDEN, INTER, Q, KV, VOCAB = DIMS["llama3_8b"]
 # what the decoder layer fuses into each product: (RMSNorm prologue, residual epilogue, SiLU-mul prologue)
 FUSION = {"qkv": (True, False, False), "o": (False, True, False), "gate_up": (True, False, False),
           "down": (False, True, True), "lm_head": (False, False, False)}
-SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
-          "lm_head": (VOCAB, HIDDEN)}
+
+
+def linear_shapes() -> dict[str, tuple[int, int]]:
+    """(n, k) of each weight, from the module's model dimensions."""
+    return {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+            "lm_head": (VOCAB, HIDDEN)}
+
+
+SHAPES = linear_shapes()
 
 
 def graph_ms(calls: list[Callable[[], object]]) -> float:
@@ -87,7 +98,7 @@ def sweep(rows: int, args: argparse.Namespace) -> None:
     gbs = lambda name, ms: SHAPES[name][0] * SHAPES[name][1] * 2 / ms / 1e6  # noqa: E731
     cublas = {name: graph_ms([lambda w=w, x=xs[name]: F.linear(x, w) for w in ws]) for name, ws in weights.items()
               if not args.fused}
-    block_ns = [b for b in args.block_n if rows == 1 or b >= 16]
+    block_ns = [b for b in args.block_n if rows == 1 or not gemv_module.ROWS_DOT or b >= 16]  # tl.dot: N >= 16
     table = {}
     for launch in itertools.product(block_ns, args.block_k, args.warps, args.stages):
         if launch[0] * launch[1] > 32768:
@@ -129,7 +140,7 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 def chain_weights(rows: int, layers: int) -> tuple[list[dict], int, torch.Tensor]:
     """(per-layer weights, their bytes, x ``[rows, HIDDEN]``): ``layers`` layers' worth of distinct bf16 weights of
-    a Llama-3-8B decoder layer's four linears and two RMSNorm weights (seeded: the same for every caller)."""
+    the model's decoder layer's four linears and two RMSNorm weights (seeded: the same for every caller)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     mk = lambda n, k: torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).bfloat16()  # noqa: E731
     lw = [dict(qkv=mk(Q + 2 * KV, HIDDEN), o=mk(HIDDEN, Q), gate_up=mk(2 * INTER, HIDDEN), down=mk(HIDDEN, INTER),
@@ -195,6 +206,7 @@ def chain(rows: int, layers: int, copy_gbs: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=list(DIMS), default="llama3_8b", help="whose linear shapes")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--block-n", nargs="+", type=int, default=[8, 16, 32, 64])
     ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256, 512, 1024])
@@ -209,7 +221,14 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true", help="sweep each weight with the layer's fusion (no cuBLAS row)")
     ap.add_argument("--norm-first", action="store_true",
                     help="tfs_kernels.gemv.LATE_NORM off: RMSNorm in a pass over x before the product")
+    ap.add_argument("--rows-fma", action="store_true",
+                    help="tfs_kernels.gemv.ROWS_DOT off: several rows on the CUDA cores, not the 16-row tl.dot tile")
     args = ap.parse_args()
+    gemv_module.ROWS_DOT = not args.rows_fma
+    global HIDDEN, INTER, Q, KV, VOCAB
+    HIDDEN, INTER, Q, KV, VOCAB = DIMS[args.model]
+    SHAPES.clear()
+    SHAPES.update(linear_shapes())
     gemv_module.LATE_NORM = not args.norm_first
     for name in set(SHAPES) - set(args.shapes):
         del SHAPES[name]

@@ -57,6 +57,18 @@ def test_gemv_one_row_norm_first_interpreted(fusion: str, monkeypatch: pytest.Mo
     check(1, 40, 96, fusion, "cpu", torch.float32, 1e-4, seed=7)
 
 
+@interpreted
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("rows", [2, 5])
+def test_gemv_several_rows_on_cuda_cores_interpreted(rows: int, fusion: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several rows with ``ROWS_DOT`` off: a tile of the next power of two rows on the CUDA cores, the RMSNorm after
+    the product."""
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", False)
+    check(rows, 40, 96, fusion, "cpu", torch.float32, 1e-4, seed=rows)
+
+
 class _StubAttention:
     """Stands in for an attention backend: a fixed function of q, k, v (``[n, heads * dim]``, like a backend)."""
 
@@ -148,6 +160,18 @@ def test_gemv_gpu(shape: str, rows: int) -> None:
     n, k = LLAMA_8B[shape]
     fusion = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu_mul+residual", "lm_head": "plain"}[shape]
     check(rows, n, k, fusion, "cuda", torch.bfloat16, 2e-2, seed=rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("shape", ["qkv", "down"])
+def test_gemv_gpu_several_rows_on_cuda_cores(shape: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", False)
+    n, k = LLAMA_8B[shape]
+    check(rows, n, k, "norm" if shape == "qkv" else "silu_mul+residual", "cuda", torch.bfloat16, 2e-2, seed=rows)
+    check(rows, 1000, 576, "norm+residual", "cuda", torch.bfloat16, 2e-2, seed=rows)  # SmolLM2's K, a ragged N
 
 
 @pytest.mark.gpu

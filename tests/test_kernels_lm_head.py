@@ -51,9 +51,13 @@ def check(args: tuple, tol: float) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows,rows_dot", [(1, True), (3, True), (5, True), (3, False), (5, False)])
 @pytest.mark.parametrize("hidden", [48, 96])
-def test_lm_head_interpreted(rows: int, hidden: int) -> None:
+def test_lm_head_interpreted(rows: int, rows_dot: bool, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rows_dot``: several rows on the 16-row tl.dot tile, else on the CUDA cores (tfs_kernels/gemv.py ROWS_DOT)."""
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", rows_dot)
     check(lm_head_args(rows, 200, hidden, "cpu", torch.float32, seed=rows + hidden), tol=1e-4)
 
 
@@ -87,8 +91,11 @@ def test_interpreted_lm_head_in_a_subprocess() -> None:
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8])
-def test_lm_head_gpu(rows: int) -> None:
+@pytest.mark.parametrize("rows,rows_dot", [(1, True), (8, True), (5, False)])
+def test_lm_head_gpu(rows: int, rows_dot: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", rows_dot)
     args = lm_head_args(rows, 128256, 4096, "cuda", torch.bfloat16, seed=rows)
     check(args, tol=4e-2)
     torch.library.opcheck(torch.ops.tfs.lm_head, lm_head_args(2, 1000, 576, "cuda", torch.bfloat16, 1))

@@ -56,9 +56,14 @@ def check(args: tuple, tol: float) -> None:
 
 @interpreted
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows,rows_dot", [(1, True), (3, True), (3, False)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (2, 1, 32)])
-def test_qkv_rope_store_interpreted(heads: int, kv_heads: int, dim: int, rows: int, norm: bool) -> None:
+def test_qkv_rope_store_interpreted(heads: int, kv_heads: int, dim: int, rows: int, rows_dot: bool, norm: bool,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rows_dot``: several rows on the 16-row tl.dot tile, else on the CUDA cores (tfs_kernels/gemv.py ROWS_DOT)."""
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", rows_dot)
     check(fused_args(rows, heads, kv_heads, dim, 48, norm, "cpu", torch.float32, seed=rows), tol=1e-4)
 
 
@@ -83,9 +88,13 @@ def test_interpreted_qkv_rope_store_in_a_subprocess() -> None:
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows,rows_dot", [(1, True), (4, True), (5, False)])
 @pytest.mark.parametrize("heads,kv_heads,dim,hidden", [(32, 8, 128, 4096), (9, 3, 64, 576)])
-def test_qkv_rope_store_gpu(heads: int, kv_heads: int, dim: int, hidden: int, rows: int) -> None:
+def test_qkv_rope_store_gpu(heads: int, kv_heads: int, dim: int, hidden: int, rows: int, rows_dot: bool,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import tfs_kernels.gemv
+
+    monkeypatch.setattr(tfs_kernels.gemv, "ROWS_DOT", rows_dot)
     args = fused_args(rows, heads, kv_heads, dim, hidden, True, "cuda", torch.bfloat16, seed=rows)
     check(args, tol=4e-2)
     torch.library.opcheck(torch.ops.tfs.qkv_rope_store, args)

@@ -13,7 +13,8 @@ around its linears, so that a layer runs in fewer kernels:
 The rounding follows the unfused torch code (the normalised row and the activation are rounded to x's dtype, the
 product to the output dtype before the residual add), except that one row's RMSNorm scales the product's float32
 sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``) accumulates with FMAs;
-2-16 rows use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights).
+2-16 rows use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights), or with ``ROWS_DOT`` off FMAs
+on a tile of the next power of two rows.
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ CUDA_LAUNCH = {
     "very_wide": (8, 1024, 4, 3),  # 4k <= n < 16k: gate_up
     "vocab": (16, 256, 4, 3),  # n >= 16k: lm_head
     "rows": (32, 256, 4, 4),
+    "few_rows": (8, 128, 4, 3),  # several rows on the CUDA cores (ROWS_DOT off); untuned
 }
+# Several rows (2-16): True, a 16-row tl.dot tile ("rows"); False, the rows on the CUDA cores in a tile of the next
+# power of two rows ("few_rows", with the RMSNorm after the product as one row's, LATE_NORM). A constant so that
+# bench/knobs.py --set can compare the two in one commit.
+ROWS_DOT = True
 # One row with RMSNorm: scale by 1/rms(x) after the product, y = ((x * nw) @ w.T) / rms(x), with the sum of squares
 # accumulated in the weight loop, instead of a pass over x before the weight starts streaming. Faster on an H200
 # (qkv 3186 -> 3327 GB/s, gate_up 3939 -> 4104, `bench/tune_gemv.py --fused [--norm-first]`, docs/PERFORMANCE.md);
@@ -108,10 +114,22 @@ def stream_hints() -> dict[str, object]:
     return {"W_EF": WEIGHT_EVICT_FIRST}
 
 
+def block_rows(m: int) -> int:
+    """The kernels' ``BLOCK_M`` for ``m`` rows of x: 1, a power of two below 16 (the CUDA-core tile) or 16 (the
+    tl.dot tile), by :data:`ROWS_DOT`."""
+    return 1 if m == 1 else 16 if ROWS_DOT else max(2, triton.next_power_of_2(m))
+
+
+def late_norm(m: int, norm: bool) -> bool:
+    """Whether a launch of ``m`` rows with (``norm``) a fused RMSNorm applies it after the product (``LATE_NORM``):
+    on the CUDA-core tiles only."""
+    return LATE_NORM and norm and block_rows(m) < 16
+
+
 def launch_class(m: int, n: int, k: int) -> str:
     """The :data:`CUDA_LAUNCH` class of an ``[m, k] x [n, k]^T`` product."""
     if m > 1:
-        return "rows"
+        return "rows" if ROWS_DOT else "few_rows"
     if k > n:
         return "tall"
     if n == k:
@@ -168,15 +186,14 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tenso
     block_n, block_k, warps, stages = launch or launch_params(m, n, k)
     if not x.is_cuda:  # the interpreter: small shapes, small tiles
         block_n, block_k = min(block_n, 16), min(block_k, 64)
-    block_m = 1 if m == 1 else 16
     y = torch.empty(m, n, dtype=w.dtype, device=x.device)
     res = residual if residual is not None else y
     nw = norm_weight if norm_weight is not None else w
     wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, w, y, res, nw, m, n, k, eps, x.stride(0), w.stride(0), y.stride(0), res.stride(0),
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
+        BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=late_norm(m, norm_weight is not None),
         USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, **stream_hints(), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -49,6 +49,8 @@ def _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd,
                     w.dtype)  # [BLOCK_M, BLOCK_K]
     if BLOCK_M == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
+    elif BLOCK_M < 16:  # a few rows on the CUDA cores: each row's products with the chunk, summed over it
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
         acc += dot(x, tl.trans(w), IEEE_DOT)
     return acc, ss_late
@@ -96,7 +98,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
     caller passes ``m * stride``: a gathered row costs each program a round trip before its first x load,
     docs/PERFORMANCE.md, 8B decode step). Shared by ``tfs::gemv``, ``tfs::qkv_rope_store`` and
     ``tfs::lm_head``."""
-    tl.static_assert(not LATE_NORM or (BLOCK_M == 1 and NORM and not SILU_MUL), "LATE_NORM: one row, RMSNorm only")
+    tl.static_assert(not LATE_NORM or (BLOCK_M < 16 and NORM and not SILU_MUL),
+                     "LATE_NORM: RMSNorm only, not on the tl.dot tile")
     eps = tl.cast(eps, tl.float32)  # inductor passes float scalars as float64, a direct launch as float32: same math
     n_ok = offs_n < N
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
-from tfs_kernels.gemv import LATE_NORM, MAX_ROWS, launch_params, pdl_options, stream_hints
+from tfs_kernels.gemv import MAX_ROWS, block_rows, late_norm, launch_params, pdl_options, stream_hints
 from tfs_kernels.gemv_tile import gemv_prologue, gemv_tile
 from tfs_kernels.pdl import HAS_GDC
 
@@ -89,8 +89,8 @@ def launch_lm_head(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: to
     torch._check(m <= grid, lambda: f"tfs::lm_head: {m} hidden rows need as many programs, the grid has {grid}")
     wrap_triton(_lm_head_kernel)[(grid,)](
         x, w, norm_weight, logits, hidden, m, v, k, eps, x.stride(0), w.stride(0), logits.stride(0), hidden.stride(0),
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and m == 1, USE_PDL=pdl, PREFETCH_K=prefetch_k,
+        BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=late_norm(m, True), USE_PDL=pdl, PREFETCH_K=prefetch_k,
         **stream_hints(), num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return logits, hidden

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
-from tfs_kernels.gemv import LATE_NORM, MAX_ROWS, gemv_reference, launch_params, pdl_options, stream_hints
+from tfs_kernels.gemv import MAX_ROWS, block_rows, gemv_reference, late_norm, launch_params, pdl_options, stream_hints
 from tfs_kernels.gemv_tile import gemv_prologue, gemv_tile
 from tfs_kernels.pdl import HAS_GDC
 from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
@@ -115,8 +115,8 @@ def launch_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
         x.stride(0), w.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=LATE_NORM and norm_weight is not None and m == 1,
+        BLOCK_M=block_rows(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=w.dtype == torch.float32, LATE_NORM=late_norm(m, norm_weight is not None),
         USE_PDL=pdl, PREFETCH_K=prefetch_k, PRELOAD=preload, **stream_hints(), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
