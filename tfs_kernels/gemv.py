@@ -11,10 +11,10 @@ around its linears, so that a layer runs in fewer kernels:
 - ``residual``: ``y = residual + x @ w.T`` (the layer's residual stream).
 
 The rounding follows the unfused torch code (the normalised row and the activation are rounded to x's dtype, the
-product to the output dtype before the residual add), except that one row's RMSNorm scales the product's float32
-sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``) accumulates with FMAs;
-2-16 rows use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights), or with ``ROWS_DOT`` off FMAs
-on a tile of the next power of two rows.
+product to the output dtype before the residual add), except that on the CUDA-core tiles the RMSNorm scales the
+product's float32 sums (``LATE_NORM``); the summation order differs from cuBLAS's. One row (``BLOCK_M = 1``)
+accumulates with FMAs; 2-16 rows use ``tl.dot`` on a 16-row tile (exact float32 products for float32 weights), or
+with ``ROWS_DOT`` off the CUDA cores on a tile of the next power of two rows.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The unfused tail of a decode step is three kernels after the last layer: the final norm of every row (and the pick
 of the logits' rows), the lm_head's product, and the conversion of the logits to float32. This kernel is
 ``tfs::gemv``'s (:func:`tfs_kernels.gemv_tile.gemv_tile`) over every row of x (the logits of every token: what a uniform
-batch asks for) with the RMSNorm fused in (for one row after the product, as ``LATE_NORM`` does everywhere),
+batch asks for) with the RMSNorm fused in (after the product on the CUDA-core tiles, as ``LATE_NORM`` does everywhere),
 storing float32 logits rounded to the weight's dtype first, as ``.float()`` of the unfused product gives them;
 programs ``p < m`` also write row ``p`` of the hidden states, ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
 as ``RMSNorm.forward`` computes it. With PDL (``tfs::lm_head_pdl``) the lm_head then launches while the last layer
