@@ -13,8 +13,10 @@ verify's, plain launch), ``tfs::gemv`` with a residual (o_proj's PDL launch), ``
 product) and down_proj's (SiLU-mul, residual), printing every global load and store, shared-memory store / matrix
 load and barrier (with ``--no-pdl``, from the start): where a load of what the epilogue needs sits against the
 weight loop, and whether the loop converts the weight tile's layout through shared memory. ``--launch
-BLOCK_N,BLOCK_K,WARPS,STAGES`` compiles another launch of those kernels; ``--ttgir`` also prints the layout
-conversions Triton inserted (``ttg.convert_layout``).
+BLOCK_N,BLOCK_K,WARPS,STAGES`` compiles another launch of those kernels; ``--rows M`` compiles them for M rows of x
+as their launches would (``BLOCK_M``, ``LATE_NORM``, no preload: :func:`tfs_kernels.gemv.block_rows`; with ``--set
+tfs_kernels.gemv.ROWS_DOT=False``, the CUDA-core tile); ``--ttgir`` also prints the layout conversions Triton
+inserted (``ttg.convert_layout``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from knobs import add_set_option, apply_sets  # noqa: E402
+import tfs_kernels.gemv as gemv_module  # noqa: E402
 from tfs_kernels.gemv import _gemv_kernel, stream_hints  # noqa: E402
 from tfs_kernels.lm_head import _lm_head_kernel  # noqa: E402
 from tfs_kernels.qkv_rope_store import _qkv_rope_store_kernel  # noqa: E402
@@ -86,6 +89,8 @@ def main() -> None:
     ap.add_argument("--kernel", default="partial", choices=["partial", *OTHERS])
     ap.add_argument("--launch", metavar="BLOCK_N,BLOCK_K,WARPS,STAGES",
                     help="another launch of a gemv-family kernel (gemv, gate_up, down, lm_head, gemv_vocab, qkv)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows of x for a gemv-family kernel (BLOCK_M and LATE_NORM as its launch would set them)")
     ap.add_argument("--ttgir", action="store_true", help="also print the TTGIR's layout conversions")
     add_set_option(ap)  # e.g. tfs_kernels.gemv.WEIGHT_EVICT_FIRST=True (the weight stream's L2 hints)
     args = ap.parse_args()
@@ -99,6 +104,14 @@ def main() -> None:
             consts = {**consts, "BLOCK_N": block_n, "BLOCK_K": block_k}
         if "PREFETCH_K" in consts:  # the gemv family: the weight stream's L2 hints, as tfs_kernels/gemv.py sets them
             consts = {**stream_hints(), **consts}
+        if args.rows > 1:
+            if "BLOCK_M" not in consts:
+                ap.error(f"--rows: not for --kernel {args.kernel}")
+            norm = consts.get("NORM", True)  # tfs::lm_head always has its RMSNorm
+            consts = {**consts, "BLOCK_M": gemv_module.block_rows(args.rows),
+                      "LATE_NORM": gemv_module.late_norm(args.rows, norm)}
+            if "PRELOAD" in consts:  # the several-row launch classes do not preload (PDL_PRELOAD)
+                consts["PRELOAD"] = False
         if "USE_PDL" in consts and args.no_pdl:
             consts = {**consts, "USE_PDL": False, "PRELOAD": False}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32")
