@@ -49,8 +49,8 @@ def _accumulate(acc, ss_late, w, X, NW, x_rows, m_ok, offs_k, k_ok, K, rstd,
                     w.dtype)  # [BLOCK_M, BLOCK_K]
     if BLOCK_M == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
-    elif BLOCK_M < 16:  # a few rows on the CUDA cores: each row's products with the chunk, summed over it
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif BLOCK_M < 16:  # a few rows on the CUDA cores: products kept per column, summed once after the loop
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
     else:
         acc += dot(x, tl.trans(w), IEEE_DOT)
     return acc, ss_late
@@ -116,8 +116,11 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
                          mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    # the CUDA-core tiles sum over K once, after the loop (a sum per chunk made 8 rows 3x slower than cuBLAS)
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    elif BLOCK_M < 16:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if PRELOAD:  # the first chunk's product, from the registers
@@ -136,6 +139,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
                                    LATE_NORM, BLOCK_M, IEEE_DOT)
     if BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    elif BLOCK_M < 16:
+        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
         out = acc  # [BLOCK_M, BLOCK_N]
     if LATE_NORM:
