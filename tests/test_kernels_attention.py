@@ -314,12 +314,17 @@ def test_decode_on_cuda(page_size):
 
 @pytest.fixture
 def fused_merge_on_cuda(monkeypatch):
-    """``FUSED_MERGE`` on, with counters for 64 requests x 8 KV heads x 4 row blocks; yields the counters."""
-    from tfs_kernels import split_kv_merge
+    """``FUSED_MERGE`` on, with counters for 64 requests x 8 KV heads x 4 row blocks, and the separate merge kernel
+    made to fail; yields the counters."""
+    from tfs_kernels import split_kv_attention, split_kv_merge
+
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("the separate merge kernel ran")
 
     monkeypatch.setattr(split_kv_merge, "FUSED_MERGE", True)
     monkeypatch.setattr(split_kv_merge, "_COUNTERS", {})
-    split_kv_merge.reserve_merge_counters(torch.device("cuda"), 64 * 8 * 4)
+    monkeypatch.setattr(split_kv_attention, "launch_split_kv_merge", no_merge_kernel)
+    split_kv_merge.reserve_merge_counters(torch.device("cuda"), 64 * 8 * 4)  # named as the engine names it
     yield next(iter(split_kv_merge._COUNTERS.values()))
 
 

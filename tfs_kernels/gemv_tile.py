@@ -116,7 +116,8 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
                          mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-    # the CUDA-core tiles sum over K once, after the loop (a sum per chunk made 8 rows 3x slower than cuBLAS)
+    # the CUDA-core tiles sum over K once, after the loop (summed per chunk, the tile made SmolLM2's batch-8 forward
+    # 2.9x slower than cuBLAS's on an H100, docs/PERFORMANCE.md; this form is not timed yet)
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     elif BLOCK_M < 16:

@@ -293,7 +293,6 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-
 def split_kv_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                  seq_lens: torch.Tensor, custom_mask: Optional[torch.Tensor], q_len: int,

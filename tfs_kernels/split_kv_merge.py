@@ -81,7 +81,7 @@ def merge_if_last(Mid_o, Mid_lse, Counters, split, n_splits, token, head, row_ok
     ``split_kv_merge_kernel`` does, online over the splits) and sets the counter back to 0 for the next launch. The
     barrier orders the program's partial stores before the release of the count; the merge's loads bypass L1 (another
     SM wrote them)."""
-    group = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))  # (request, row block) x KV head
+    group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)  # (request, row block) x KV head
     tl.debug_barrier()
     if split < n_splits:
         arrived = tl.atomic_add(Counters + group, 1, sem="acq_rel")
@@ -145,11 +145,19 @@ _COUNTERS: dict[str, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # smaller buffers replaced by larger ones: graphs captured earlier still use them
 
 
+def _device_key(device: torch.device) -> str:
+    """One key for a device however it is named: the engine's ``cuda`` and a tensor's ``cuda:0`` are one GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def reserve_merge_counters(device: torch.device, size: int) -> None:
     """Allocate (zeroed) the fused merge's counters for up to ``size`` (request, row block, KV head) groups on
     ``device``; call before capturing graphs (an allocation during a capture would come from the graph's pool).
     Launches on one device share the buffer: they run one after another on the stream, and each leaves it zeroed."""
-    key = str(device)
+    key = _device_key(device)
     if key not in _COUNTERS or _COUNTERS[key].numel() < size:
         if key in _COUNTERS:
             _RETIRED.append(_COUNTERS[key])
@@ -158,7 +166,7 @@ def reserve_merge_counters(device: torch.device, size: int) -> None:
 
 def merge_counters(device: torch.device, groups: int) -> Optional[torch.Tensor]:
     """The reserved counters if the fused merge applies to a launch of ``groups`` groups, else None."""
-    buf = _COUNTERS.get(str(device))
+    buf = _COUNTERS.get(_device_key(device))
     if not FUSED_MERGE or buf is None or torch.compiler.is_compiling():
         return None
     return buf if buf.numel() >= groups else None
