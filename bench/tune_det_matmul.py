@@ -6,12 +6,12 @@
 model.deterministic runs every linear through ``tfs::det_matmul`` with a tile chosen by the weight's shape class
 (tfs_kernels.gemv.launch_class: tall, square, wide, very_wide, vocab; never by the row count, so any choice stays
 batch-invariant). For each model's linears, with the decoder layer's fusions (RMSNorm into qkv and gate_up, the
-residual into o and down, SiLU-mul into down), every tile (BLOCK_M 16; BLOCK_N, BLOCK_K, warps, stages from the
-options) is checked against the reference and timed in a CUDA graph over enough copies of the weight that they come
-from HBM, as in a forward; the baseline is what the default mode runs for that row count (``tfs::gemv`` for one row,
-cuBLAS with torch's elementwise ops for several). Prints each shape's baseline and best tiles, then per class the tile
-with the lowest mean time over the baseline across rows and models: the ``CUDA_TILES`` entries to try in
-tfs_kernels/det_matmul.py, then confirm with bench/bench_deterministic.py (the whole forward).
+residual into o and down, SiLU-mul into down), every tile (BLOCK_M 16; BLOCK_N, BLOCK_K, warps, stages and the
+operand order from the options) is checked against the reference and timed in a CUDA graph over enough copies of the
+weight that they come from HBM, as in a forward; the baseline is what the default mode runs for that row count
+(``tfs::gemv`` for one row, cuBLAS with torch's elementwise ops for several). Prints each shape's baseline and best
+tiles, then per class the tile with the lowest mean time over the baseline across rows and models: the ``CUDA_TILES``
+entries to try in tfs_kernels/det_matmul.py, then confirm with bench/bench_deterministic.py (the whole forward).
 """
 
 from __future__ import annotations
@@ -87,11 +87,13 @@ def main() -> None:
     ap.add_argument("--block-k", nargs="+", type=int, default=[128, 256, 512])
     ap.add_argument("--warps", nargs="+", type=int, default=[4])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
+    ap.add_argument("--swap", nargs="+", type=int, choices=[0, 1], default=[0, 1],
+                    help="1: the weight as the product's first operand (the tile's sixth entry)")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    tiles = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product(args.block_n, args.block_k, args.warps,
-                                                                      args.stages) if bn * bk <= 32768]
+    tiles = [(16, bn, bk, w, s, bool(sw)) for bn, bk, w, s, sw in itertools.product(
+        args.block_n, args.block_k, args.warps, args.stages, args.swap) if bn * bk <= 32768]
     print(f"{torch.cuda.get_device_name()}: {len(tiles)} tiles; the current default {det.CUDA_TILE}, per class "
           f"{det.CUDA_TILES or 'none'}")
     ratios: dict[str, dict[tuple, list[float]]] = {}  # class -> tile -> [time / baseline per (model, shape, rows)]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tfs_kernels.det_attention import det_attention, det_attention_reference, split_len
+import tfs_kernels.det_matmul as det_matmul_module
 from tfs_kernels.det_matmul import det_matmul, det_matmul_reference
 from tfs_kernels.det_rmsnorm import det_rmsnorm, det_rmsnorm_reference
 from tfs_kernels.dispatch import interpreter_active
@@ -46,7 +47,9 @@ def assert_rows_invariant(fn, row: torch.Tensor, width: int, counts: list[int], 
 @interpreted
 @pytest.mark.parametrize("fusion", ["plain", "float32", "residual", "silu_mul+residual", "norm", "norm+residual"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 70), (37, 24, 64)])
-def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str) -> None:
+@pytest.mark.parametrize("swap", [False, True], ids=["x_first", "w_first"])
+def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str, swap: bool, monkeypatch) -> None:
+    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + (swap,))
     silu_mul = "silu_mul" in fusion
     x, w = randn(m, 2 * k if silu_mul else k, seed=m), randn(n, k, seed=n + k) / k ** 0.5
     residual = randn(m, n + 3, seed=m + n)[:, :n] if "residual" in fusion else None  # a row stride other than n
@@ -58,7 +61,9 @@ def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str) -> None:
 
 
 @interpreted
-def test_det_matmul_rows_invariant_interpreted() -> None:
+@pytest.mark.parametrize("swap", [False, True], ids=["x_first", "w_first"])
+def test_det_matmul_rows_invariant_interpreted(swap: bool, monkeypatch) -> None:
+    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + (swap,))
     w = randn(40, 80, seed=1)
     assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w), randn(80, seed=2), 80, [1, 2, 16, 17, 40],
                           "cpu", torch.float32)
@@ -204,9 +209,13 @@ def test_cpu_matmul_and_norm_rows_invariant() -> None:
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-def test_det_matmul_gpu_bf16(n: int, k: int) -> None:
+@pytest.mark.parametrize("tile", [None, (16, 64, 128, 4, 3, True)], ids=["default_tiles", "w_first"])
+def test_det_matmul_gpu_bf16(n: int, k: int, tile, monkeypatch) -> None:
     """The 8B model's linears in bf16: close to cuBLAS, and a row the same bits at 1..300 rows, where cuBLAS's is
-    not (asserted for the record only when it shows)."""
+    not (asserted for the record only when it shows); with the configured tiles and with the operands swapped."""
+    if tile is not None:
+        monkeypatch.setattr(det_matmul_module, "CUDA_TILES", {})
+        monkeypatch.setattr(det_matmul_module, "CUDA_TILE", tile)
     w = randn(n, k, seed=17, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = randn(64, k, seed=18, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(det_matmul(x, w).float(), (x @ w.T).float(), atol=3e-2, rtol=3e-2)

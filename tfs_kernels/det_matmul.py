@@ -37,15 +37,24 @@ from tfs_kernels.gemv import launch_class
 # class of tfs_kernels.gemv.launch_class (tall, square, wide, very_wide, vocab), from bench/tune_det_matmul.py;
 # a class without an entry takes CUDA_TILE (not tuned yet).
 CUDA_TILE = (16, 32, 256, 4, 4)
-CUDA_TILES: dict[str, tuple[int, int, int, int, int]] = {}
+# A sixth entry True swaps the product's operands (``w @ x.T``, then transposed: the weight tile is the tensor-core
+# tile's M side, as small-M GEMMs do for their rows); a row's sums are still the same for any M.
+CUDA_TILES: dict[str, tuple] = {}
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit(do_not_specialize=["M", "eps"])
 def _det_matmul_kernel(
     X, W, Out, Residual, Norm_weight, M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M),); consecutive programs share a weight tile (L2 reuse)
     pid = tl.program_id(0)
@@ -64,7 +73,10 @@ def _det_matmul_kernel(
                          mask=row_ok[:, None] & ((k0 + kk) < K)[None, :], other=0.0).to(tl.float32)
             sum_sq += tl.sum(xs * xs, 1)
         rstd = 1.0 / tl.sqrt(sum_sq / K + tl.cast(eps, tl.float32))  # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:  # the weight as the product's first operand: its output features fill the tensor-core tile's M
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
         x_ok = row_ok[:, None] & k_ok[None, :]
@@ -80,10 +92,12 @@ def _det_matmul_kernel(
         x = x.to(W.dtype.element_ty)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]
-        if IEEE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if SWAP_AB:
+            acc = _dot(w, tl.trans(x), acc, IEEE_DOT)  # [BLOCK_N, BLOCK_M]
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = _dot(x, tl.trans(w), acc, IEEE_DOT)  # [BLOCK_M, BLOCK_N]
+    if SWAP_AB:
+        acc = tl.trans(acc)
     out_ok = row_ok[:, None] & col_ok[None, :]
     out = acc.to(Out.dtype.element_ty)
     if HAS_RESIDUAL:  # the product rounded first, as ``residual + linear(x)`` would round it
@@ -92,7 +106,7 @@ def _det_matmul_kernel(
     tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
 
 
-def cuda_tile(n: int, k: int) -> tuple[int, int, int, int, int]:
+def cuda_tile(n: int, k: int) -> tuple:
     """The CUDA tile of a ``[N, K]`` weight: by its shape class, never by the row count."""
     return CUDA_TILES.get(launch_class(1, n, k), CUDA_TILE)
 
@@ -114,14 +128,14 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     torch._check(norm_weight is None or not silu_mul, lambda: "det_matmul: norm_weight with silu_mul")
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
-    block_m, block_n, block_k, warps, stages = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
+    block_m, block_n, block_k, warps, stages, *swap = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
     grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
     _det_matmul_kernel[grid](
         x, w, out, residual if has_res else out, w if norm_weight is None else norm_weight, m, n, k, eps,
         x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if has_res else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
         NORM=norm_weight is not None,
-        IEEE_DOT=w.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE_DOT=w.dtype == torch.float32, SWAP_AB=bool(swap and swap[0]), num_warps=warps, num_stages=stages,
     )
     return out
 
