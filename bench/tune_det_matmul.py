@@ -2,16 +2,17 @@
 
     python3 bench/tune_det_matmul.py                                 # Llama-3-8B's and SmolLM2's shapes, 1 and 8 rows
     python3 bench/tune_det_matmul.py --models smollm2 --rows 1 --block-n 16 32 --block-k 64 128 256
+    python3 bench/tune_det_matmul.py --models llama3_8b --tiles 16,32,256,4,4 16,64,128,4,3,1,2   # given tiles
 
 model.deterministic runs every linear through ``tfs::det_matmul`` with a tile chosen by the weight's shape class
 (tfs_kernels.gemv.launch_class: tall, square, wide, very_wide, vocab; never by the row count, so any choice stays
-batch-invariant). For each model's linears, with the decoder layer's fusions (RMSNorm into qkv and gate_up, the
-residual into o and down, SiLU-mul into down), every tile (BLOCK_M 16; BLOCK_N, BLOCK_K, warps, stages and the
-operand order from the options) is checked against the reference and timed in a CUDA graph over enough copies of the
-weight that they come from HBM, as in a forward; the baseline is what the default mode runs for that row count
-(``tfs::gemv`` for one row, cuBLAS with torch's elementwise ops for several). Prints each shape's baseline and best
-tiles, then per class the tile with the lowest mean time over the baseline across rows and models: the ``CUDA_TILES``
-entries to try in tfs_kernels/det_matmul.py, then confirm with bench/bench_deterministic.py (the whole forward).
+batch-invariant). For each model's linears, with the decoder layer's fusions (RMSNorm into qkv and gate_up, the residual
+into o and down, SiLU-mul into down), every tile (BLOCK_M 16; BLOCK_N, BLOCK_K, warps, stages, the operand order and K's
+split from the options) is checked against the reference and timed in a CUDA graph over enough copies of the weight that
+they come from HBM, as in a forward; the baseline is what the default mode runs for that row count (``tfs::gemv`` for
+one row, cuBLAS with torch's elementwise ops for several). Prints each shape's baseline and best tiles, then per class
+the tile with the lowest mean time over the baseline across rows and models: the ``CUDA_TILES`` entries to try in
+tfs_kernels/det_matmul.py, then confirm with bench/bench_deterministic.py (the whole forward).
 """
 
 from __future__ import annotations
@@ -89,11 +90,17 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     ap.add_argument("--swap", nargs="+", type=int, choices=[0, 1], default=[0, 1],
                     help="1: the weight as the product's first operand (the tile's sixth entry)")
+    ap.add_argument("--split-k", nargs="+", type=int, default=[1], help="K ranges (the tile's seventh entry)")
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,BK,WARPS,STAGES[,SWAP[,SPLIT]]",
+                    help="these tiles instead of the product of the options above")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    tiles = [(16, bn, bk, w, s, bool(sw)) for bn, bk, w, s, sw in itertools.product(
-        args.block_n, args.block_k, args.warps, args.stages, args.swap) if bn * bk <= 32768]
+    tiles = [(16, bn, bk, w, s, bool(sw), sk) for bn, bk, w, s, sw, sk in itertools.product(
+        args.block_n, args.block_k, args.warps, args.stages, args.swap, args.split_k) if bn * bk <= 32768]
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+        tiles = [t[:5] + tuple(bool(v) if i == 0 else v for i, v in enumerate(t[5:])) for t in tiles]
     print(f"{torch.cuda.get_device_name()}: {len(tiles)} tiles; the current default {det.CUDA_TILE}, per class "
           f"{det.CUDA_TILES or 'none'}")
     ratios: dict[str, dict[tuple, list[float]]] = {}  # class -> tile -> [time / baseline per (model, shape, rows)]

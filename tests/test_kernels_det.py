@@ -44,12 +44,17 @@ def assert_rows_invariant(fn, row: torch.Tensor, width: int, counts: list[int], 
 
 
 # ---- interpreted: kernels vs references, and the invariance --------------------------------------------------------
+# the tile's optional entries (swap, split_k): x first or w first, K whole or in 3 ranges
+ORDERS = [(False, 1), (True, 1), (False, 3), (True, 3)]
+ORDER_IDS = ["x_first", "w_first", "x_first_split3", "w_first_split3"]
+
+
 @interpreted
 @pytest.mark.parametrize("fusion", ["plain", "float32", "residual", "silu_mul+residual", "norm", "norm+residual"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 70), (37, 24, 64)])
-@pytest.mark.parametrize("swap", [False, True], ids=["x_first", "w_first"])
-def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str, swap: bool, monkeypatch) -> None:
-    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + (swap,))
+@pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
+def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str, order: tuple, monkeypatch) -> None:
+    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + order)
     silu_mul = "silu_mul" in fusion
     x, w = randn(m, 2 * k if silu_mul else k, seed=m), randn(n, k, seed=n + k) / k ** 0.5
     residual = randn(m, n + 3, seed=m + n)[:, :n] if "residual" in fusion else None  # a row stride other than n
@@ -61,9 +66,10 @@ def test_det_matmul_interpreted(m: int, n: int, k: int, fusion: str, swap: bool,
 
 
 @interpreted
-@pytest.mark.parametrize("swap", [False, True], ids=["x_first", "w_first"])
-def test_det_matmul_rows_invariant_interpreted(swap: bool, monkeypatch) -> None:
-    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + (swap,))
+@pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
+def test_det_matmul_rows_invariant_interpreted(order: tuple, monkeypatch) -> None:
+    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + order)
+    monkeypatch.setattr(det_matmul_module, "SPLIT_ROWS", 16)  # several split-K launches at 17 and 40 rows
     w = randn(40, 80, seed=1)
     assert_rows_invariant(lambda x: torch.ops.tfs.det_matmul(x, w), randn(80, seed=2), 80, [1, 2, 16, 17, 40],
                           "cpu", torch.float32)
@@ -209,10 +215,11 @@ def test_cpu_matmul_and_norm_rows_invariant() -> None:
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-@pytest.mark.parametrize("tile", [None, (16, 64, 128, 4, 3, True)], ids=["default_tiles", "w_first"])
+@pytest.mark.parametrize("tile", [None, (16, 64, 128, 4, 3, True), (16, 32, 256, 4, 3, False, 4)],
+                         ids=["default_tiles", "w_first", "split4"])
 def test_det_matmul_gpu_bf16(n: int, k: int, tile, monkeypatch) -> None:
     """The 8B model's linears in bf16: close to cuBLAS, and a row the same bits at 1..300 rows, where cuBLAS's is
-    not (asserted for the record only when it shows); with the configured tiles and with the operands swapped."""
+    not (asserted for the record only when it shows); with the configured tiles, the operands swapped, and K split."""
     if tile is not None:
         monkeypatch.setattr(det_matmul_module, "CUDA_TILES", {})
         monkeypatch.setattr(det_matmul_module, "CUDA_TILE", tile)

@@ -37,9 +37,12 @@ from tfs_kernels.gemv import launch_class
 # class of tfs_kernels.gemv.launch_class (tall, square, wide, very_wide, vocab), from bench/tune_det_matmul.py;
 # a class without an entry takes CUDA_TILE (not tuned yet).
 CUDA_TILE = (16, 32, 256, 4, 4)
-# A sixth entry True swaps the product's operands (``w @ x.T``, then transposed: the weight tile is the tensor-core
-# tile's M side, as small-M GEMMs do for their rows); a row's sums are still the same for any M.
+# Two optional entries follow: ``swap`` (True: the product's operands swapped, ``w @ x.T`` then transposed, so that
+# the weight tile is the tensor-core tile's M side, as small-M GEMMs do for their rows) and ``split_k`` (K cut into
+# that many fixed ranges, whole BLOCK_K steps each, reduced by a second kernel in split order: more programs for a
+# narrow weight at few rows). Both are the weight's, so a row's sums are still the same for any M.
 CUDA_TILES: dict[str, tuple] = {}
+SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
 
 
@@ -52,12 +55,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "eps"])
 def _det_matmul_kernel(
-    X, W, Out, Residual, Norm_weight, M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm,
+    X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M),); consecutive programs share a weight tile (L2 reuse)
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
+    # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
+    # into Partial[s] ``[SPLIT_K, M, N]`` (float32) when SPLIT_K > 1, for _det_matmul_reduce_kernel.
     pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_tiles
     pid_n = pid // m_tiles
@@ -77,7 +85,7 @@ def _det_matmul_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < K
         x_ok = row_ok[:, None] & k_ok[None, :]
         x_ptr = X + rows[:, None] * stride_xm + (k0 + kk)[None, :]
@@ -99,11 +107,32 @@ def _det_matmul_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
     out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tl.store(Partial + (tl.program_id(1) * M + rows[:, None]) * N + cols[None, :], acc, mask=out_ok)
+    else:
+        _epilogue(acc, Out, Residual, rows[:, None], cols[None, :], out_ok, stride_om, stride_rm, HAS_RESIDUAL)
+
+
+@triton.jit
+def _epilogue(acc, Out, Residual, rows, cols, ok, stride_om, stride_rm, HAS_RESIDUAL: tl.constexpr):
     out = acc.to(Out.dtype.element_ty)
     if HAS_RESIDUAL:  # the product rounded first, as ``residual + linear(x)`` would round it
-        res = tl.load(Residual + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
+        res = tl.load(Residual + rows * stride_rm + cols, mask=ok, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(Out.dtype.element_ty)
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=out_ok)
+    tl.store(Out + rows * stride_om + cols, out, mask=ok)
+
+
+@triton.jit
+def _det_matmul_reduce_kernel(Partial, Out, Residual, M, N, stride_om, stride_rm, SPLIT_K: tl.constexpr,
+                              BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # grid: (M, cdiv(N, BLOCK)); Partial [SPLIT_K, M, N] float32, summed in split order
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = cols < N
+    acc = tl.load(Partial + row * N + cols, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(Partial + (s * M + row) * N + cols, mask=ok, other=0.0)
+    _epilogue(acc, Out, Residual, row, cols, ok, stride_om, stride_rm, HAS_RESIDUAL)
 
 
 def cuda_tile(n: int, k: int) -> tuple:
@@ -128,15 +157,25 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     torch._check(norm_weight is None or not silu_mul, lambda: "det_matmul: norm_weight with silu_mul")
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
-    block_m, block_n, block_k, warps, stages, *swap = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
-    _det_matmul_kernel[grid](
-        x, w, out, residual if has_res else out, w if norm_weight is None else norm_weight, m, n, k, eps,
-        x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if has_res else 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
-        NORM=norm_weight is not None,
-        IEEE_DOT=w.dtype == torch.float32, SWAP_AB=bool(swap and swap[0]), num_warps=warps, num_stages=stages,
-    )
+    block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
+    swap = bool(extra[0]) if extra else False
+    k_per_split = triton.cdiv(triton.cdiv(k, extra[1] if len(extra) > 1 else 1), block_k) * block_k  # by K only
+    split = triton.cdiv(k, k_per_split)
+    norm = w if norm_weight is None else norm_weight
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
+                  NORM=norm_weight is not None, IEEE_DOT=w.dtype == torch.float32, SWAP_AB=swap, SPLIT_K=split,
+                  num_warps=warps, num_stages=stages)
+    for r0 in range(0, m, SPLIT_ROWS if split > 1 else max(m, 1)):  # a row's sums: the same in any launch
+        rows = min(m - r0, SPLIT_ROWS) if split > 1 else m
+        xs, outs, res = x[r0:], out[r0:], residual[r0:] if has_res else out
+        partial = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else outs
+        grid = (triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), split)
+        _det_matmul_kernel[grid](xs, w, outs, res, norm, partial, rows, n, k, k_per_split, eps, x.stride(0),
+                                 w.stride(0), out.stride(0), res.stride(0), **launch)
+        if split > 1:
+            _det_matmul_reduce_kernel[(rows, triton.cdiv(n, 1024))](
+                partial, outs, res, rows, n, out.stride(0), res.stride(0), SPLIT_K=split, BLOCK=1024,
+                HAS_RESIDUAL=has_res, num_warps=4)
     return out
 
 
