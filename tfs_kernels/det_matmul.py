@@ -30,18 +30,23 @@ from tfs_kernels.det_rmsnorm import det_rmsnorm_reference
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.gemv import launch_class
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on CUDA. BLOCK_M 16: the smallest tensor-core tile, so that a
-# decode forward of a few rows wastes little; BLOCK_N 32: enough programs to stream a 4096-wide layer's weights from
-# every SM at one row (128 programs); BLOCK_K 256 with 4 stages keeps 64 KB of weights in flight per program. Any
-# choice that depends on the weight's shape only (never on M) is batch-invariant: CUDA_TILES holds one per shape
-# class of tfs_kernels.gemv.launch_class (tall, square, wide, very_wide, vocab), from bench/tune_det_matmul.py;
-# a class without an entry takes CUDA_TILE (not tuned yet).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, swap[, split_k]]) on CUDA. BLOCK_M 16: the smallest
+# tensor-core tile, so that a decode forward of a few rows wastes little. ``swap`` True: the product's operands
+# swapped (``w @ x.T``, then transposed), so that the weight tile is the tensor-core tile's M side (Hopper's wgmma),
+# as small-M GEMMs do for their rows; ``split_k``: K cut into that many fixed ranges of whole BLOCK_K steps, reduced
+# by a second kernel in range order (more programs for a narrow weight at few rows). Any choice that depends on the
+# weight's shape only (never on M) is batch-invariant: CUDA_TILES holds one per shape class of
+# tfs_kernels.gemv.launch_class, the best mean over 1 and 8 rows on Llama-3-8B's linears in `python3
+# bench/tune_det_matmul.py --models llama3_8b --tiles ...` (H100, 2026-12-06, docs/PERFORMANCE.md); a class without
+# an entry takes CUDA_TILE.
 CUDA_TILE = (16, 32, 256, 4, 4)
-# Two optional entries follow: ``swap`` (True: the product's operands swapped, ``w @ x.T`` then transposed, so that
-# the weight tile is the tensor-core tile's M side, as small-M GEMMs do for their rows) and ``split_k`` (K cut into
-# that many fixed ranges, whole BLOCK_K steps each, reduced by a second kernel in split order: more programs for a
-# narrow weight at few rows). Both are the weight's, so a row's sums are still the same for any M.
-CUDA_TILES: dict[str, tuple] = {}
+CUDA_TILES: dict[str, tuple] = {
+    "wide": (16, 64, 256, 4, 3, True, 1),  # qkv [6144, 4096]: 1.35x tfs::gemv at 1 row, 0.64x cuBLAS at 8
+    "square": (16, 32, 256, 4, 4, False, 1),  # o [4096, 4096]: 1.10x / 0.82x
+    "very_wide": (16, 64, 128, 4, 3, False, 1),  # gate_up [28672, 4096]: 1.24x / 0.95x
+    "tall": (16, 64, 256, 4, 3, True, 4),  # down [4096, 14336]: 1.44x / 1.06x
+    "vocab": (16, 64, 256, 4, 3, True, 1),  # lm_head [128256, 4096]: 0.85x / 0.88x
+}
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
 
