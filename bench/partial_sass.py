@@ -43,13 +43,11 @@ from tfs_kernels.split_kv_attention import _split_kv_partial_kernel as KERNEL  #
 from tfs_kernels.split_kv_merge import split_kv_merge_kernel  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "Req_to_token": "*i64",
-            "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mask": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32",
-            "Out": "*bf16", "Counters": "*i32"}
+            "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mask": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"}
 # integer arguments the JIT would see as multiples of 16 at this shape (batch 1, 32 / 8 heads, head_dim 128, 64
 # split slots, 4096-wide request rows): it gives them tt.divisibility=16, which lets K / V loads vectorise
 DIVISIBLE = {"stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_req", "stride_ot",
-             "stride_oh", "stride_os", "stride_lt", "stride_lh", "stride_outt", "stride_outh", "max_splits",
-             "target_programs", "min_split_len"}
+             "stride_oh", "stride_os", "stride_lt", "stride_lh", "max_splits", "target_programs", "min_split_len"}
 # the other kernels: (kernel, pointer types, constexprs, num_warps, num_stages), Llama-3-8B shapes at one row
 OTHERS = {
     "merge": (split_kv_merge_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Seq_lens": "*i64"},
@@ -88,7 +86,6 @@ def main() -> None:
     ap.add_argument("--q-len", type=int, default=1, help="1: decode (64-key tiles); more: verify (128-key tiles)")
     ap.add_argument("--no-hints", action="store_true", help="compile without the JIT's divisibility hints")
     ap.add_argument("--no-pdl", action="store_true")
-    ap.add_argument("--fused-merge", action="store_true", help="the partial kernel with the split merge in it")
     ap.add_argument("--kernel", default="partial", choices=["partial", *OTHERS])
     ap.add_argument("--launch", metavar="BLOCK_N,BLOCK_K,WARPS,STAGES",
                     help="another launch of a gemv-family kernel (gemv, gate_up, down, lm_head, gemv_vocab, qkv)")
@@ -133,7 +130,7 @@ def main() -> None:
     verify = args.q_len > 1
     consts = dict(Q_LEN=args.q_len, GROUP=4, HEAD_DIM=128, M_BLOCKS=1, BLOCK_M=32 if verify else 16,
                   BLOCK_N=128 if verify else 64, BLOCK_D=128, HAS_MASK=verify, MASK_BITS=verify, IEEE_DOT=False,
-                  USE_PDL=not args.no_pdl, LINE=64, FUSED_MERGE=args.fused_merge)
+                  USE_PDL=not args.no_pdl, LINE=64)
     names = KERNEL.arg_names
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "scale_log2e" else "i32") for n in names}
     attrs = {} if args.no_hints else {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

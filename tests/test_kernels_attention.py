@@ -110,43 +110,6 @@ def test_verify_tiles_many_query_rows():
 
 
 @interpreted
-@pytest.mark.parametrize("q_len,mask_width,policy,bits", [
-    (1, None, MANY_SPLITS, False),  # decode, every request split as far as it goes (1 split at length 1)
-    (1, None, ONE_SPLIT, False),  # decode, one split: the output written by the partial kernel itself
-    (4, 4, MANY_SPLITS, True),  # verify over a tree, packed mask
-    (8, 8, MANY_SPLITS, False),  # 96 query rows of one KV head: two row blocks, counted apart
-])
-def test_fused_merge_matches_reference_and_resets_its_counters(monkeypatch, q_len, mask_width, policy, bits):
-    """``FUSED_MERGE``: the last split of each (request, row block, KV head) merges in the partial kernel. Same
-    result as the reference, and the counters are back at zero for the next launch (twice in a row)."""
-    from tfs_kernels import split_kv_attention, split_kv_merge
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the separate merge kernel ran")
-
-    monkeypatch.setattr(split_kv_merge, "FUSED_MERGE", True)
-    monkeypatch.setattr(split_kv_merge, "_COUNTERS", {})
-    monkeypatch.setattr(split_kv_attention, "launch_split_kv_merge", no_merge_kernel)
-    split_kv_merge.reserve_merge_counters(torch.device("cpu"), 256)
-    heads, kv_heads = (12, 1) if q_len == 8 else (6, 2)
-    for seed in (7, 8):
-        lens = [1, 33, 130] if q_len == 1 else [12, 40, 130]  # a verify's request holds at least its q_len keys
-        check_split_kv(heads, kv_heads, 16, 16, lens, q_len, mask_width, policy, seed=seed, bits=bits)
-        assert not split_kv_merge._COUNTERS["cpu"].any()
-
-
-@interpreted
-def test_fused_merge_falls_back_without_enough_counters(monkeypatch):
-    from tfs_kernels import split_kv_merge
-
-    monkeypatch.setattr(split_kv_merge, "FUSED_MERGE", True)
-    monkeypatch.setattr(split_kv_merge, "_COUNTERS", {})
-    split_kv_merge.reserve_merge_counters(torch.device("cpu"), 2)  # fewer than 3 requests x 2 KV heads
-    assert split_kv_merge.merge_counters(torch.device("cpu"), 6) is None
-    check_split_kv(6, 2, 16, 16, [1, 33, 130], 1, None, MANY_SPLITS, seed=3)
-
-
-@interpreted
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_extend_matches_reference(page_size):
     """Ragged: an empty prefix, one new token, new runs longer than one tile, prefix longer than the run, and
@@ -310,61 +273,6 @@ def test_decode_on_cuda(page_size):
                    policy=split_policy(torch.device("cuda"), 1), **BF16)
     check_split_kv(**LLAMA, page_size=page_size, seq_lens=[32768], q_len=1, mask_width=None,
                    policy=split_policy(torch.device("cuda"), 1), **BF16)
-
-
-@pytest.fixture
-def fused_merge_on_cuda(monkeypatch):
-    """``FUSED_MERGE`` on, with counters for 64 requests x 8 KV heads x 4 row blocks, and the separate merge kernel
-    made to fail; yields the counters."""
-    from tfs_kernels import split_kv_attention, split_kv_merge
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the separate merge kernel ran")
-
-    monkeypatch.setattr(split_kv_merge, "FUSED_MERGE", True)
-    monkeypatch.setattr(split_kv_merge, "_COUNTERS", {})
-    monkeypatch.setattr(split_kv_attention, "launch_split_kv_merge", no_merge_kernel)
-    split_kv_merge.reserve_merge_counters(torch.device("cuda"), 64 * 8 * 4)  # named as the engine names it
-    yield next(iter(split_kv_merge._COUNTERS.values()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("q_len,mask_width,bits", [(1, None, False), (8, 8, True), (8, None, False)])
-def test_fused_merge_on_cuda(fused_merge_on_cuda, q_len, mask_width, bits):
-    """The split merge in the partial kernel: lengths of one split (short requests) and of many, every launch
-    leaving the counters at zero."""
-    lens = [1, 40, 100] + torch.randint(16, 8192, (29,), generator=torch.Generator().manual_seed(q_len)).tolist()
-    for seed in range(3):
-        check_split_kv(**LLAMA, page_size=16, seq_lens=lens, q_len=q_len, mask_width=mask_width,
-                       policy=split_policy(torch.device("cuda"), q_len), bits=bits, seed=seed, **BF16)
-        torch.cuda.synchronize()
-        assert not fused_merge_on_cuda.any()
-
-
-@pytest.mark.gpu
-def test_fused_merge_replayed_from_a_cuda_graph(fused_merge_on_cuda):
-    """Captured once (the PDL op where the GPU has it, as the engine launches it), replayed over new lengths: each
-    replay equal to the reference, the counters zero after each."""
-    from tfs_kernels.pdl import HAS_GDC
-
-    policy = split_policy(torch.device("cuda"), 1)
-    lens = [1, 300, 5000, 12000]
-    table, rpi, num_slots = paged_table(lens, 16, 16384, "cuda", 0)
-    k_cache, v_cache = random_pool(num_slots, 8, 128, torch.bfloat16, "cuda", 1)
-    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    seq = torch.tensor(lens, device="cuda")
-    args = (q, k_cache, v_cache, table, rpi, seq, 128 ** -0.5, *policy)
-    decode_attention(*args, pdl=HAS_GDC)  # warm-up: compiles the kernel outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(*args, pdl=HAS_GDC)
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(4):
-        seq.copy_(torch.randint(1, 16000, (len(lens),), generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), decode_attention_reference(*args).float(), rtol=2e-2, atol=2e-2)
-        assert not fused_merge_on_cuda.any()
 
 
 @pytest.mark.gpu

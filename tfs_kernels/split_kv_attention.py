@@ -27,7 +27,7 @@ from torch.library import wrap_triton
 from tfs_kernels.mask_bits import MASK_WORD_BITS
 from tfs_kernels.online_softmax import dot, online_softmax_step
 from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
-from tfs_kernels.split_kv_merge import launch_split_kv_merge, merge_counters, merge_if_last, num_kv_splits
+from tfs_kernels.split_kv_merge import launch_split_kv_merge, num_kv_splits
 
 LOG2E = 1.4426950408889634
 
@@ -107,27 +107,14 @@ def _attend_range(acc, l_i, m_i, q, scale_log2e, lo, hi, K_cache, V_cache, slot_
 
 
 @triton.jit
-def _store_partial(Mid_o, Mid_lse, o, lse, split, n_splits, t, token, head, d, d_ok,
-                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, Q_LEN: tl.constexpr):
-    """A split's normalised output ``o`` ``[BLOCK_M, BLOCK_D]`` and log-sum-exp ``lse`` ``[BLOCK_M]`` into its
-    slot, for the splits the request uses."""
-    # NOTE: a block mask and'ed with a scalar condition breaks the Triton interpreter; fold the scalar into a bound
-    store_ok = t < tl.where(split < n_splits, Q_LEN, 0)  # = row_ok, for the splits this request uses
-    tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
-             o.to(Mid_o.dtype.element_ty), mask=store_ok[:, None] & d_ok[None, :])
-    tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
-
-
-@triton.jit
 def _split_kv_partial_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mid_o, Mid_lse,
     scale_log2e, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, stride_mb, stride_mt,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, Out, Counters, stride_outt, stride_outh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr, LINE: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False,
 ):
     # grid: (bs * M_BLOCKS, kv_heads, max_splits)
     # inductor passes float scalars as fp64, a direct launch (the PDL ops) as fp32: round once, same products
@@ -167,20 +154,11 @@ def _split_kv_partial_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # an empty split weighs nothing
-    if FUSED_MERGE:
-        out_ptr = Out + token[:, None] * stride_outt + head[:, None] * stride_outh + d[None, :]
-        if n_splits == 1:  # the request's only split (program 0; the others have no keys): the attention's output
-            first = t < tl.where(split == 0, Q_LEN, 0)  # = row_ok on split 0 (a scalar folded into a bound)
-            tl.store(out_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=first[:, None] & d_ok[None, :])
-        else:
-            _store_partial(Mid_o, Mid_lse, acc / l_safe[:, None], lse, split, n_splits, t, token, head, d, d_ok,
-                           stride_ot, stride_oh, stride_os, stride_lt, stride_lh, Q_LEN)
-            merge_if_last(Mid_o, Mid_lse, Counters, split, n_splits, token, head, row_ok, d, d_ok, out_ptr,
-                           stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_M, BLOCK_D,
-                           Out.dtype.element_ty)
-    else:
-        _store_partial(Mid_o, Mid_lse, acc / l_safe[:, None], lse, split, n_splits, t, token, head, d, d_ok,
-                       stride_ot, stride_oh, stride_os, stride_lt, stride_lh, Q_LEN)
+    # NOTE: a block mask and'ed with a scalar condition breaks the Triton interpreter; fold the scalar into a bound
+    store_ok = t < tl.where(split < n_splits, Q_LEN, 0)  # = row_ok, for the splits this request uses
+    tl.store(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :],
+             (acc / l_safe[:, None]).to(Mid_o.dtype.element_ty), mask=store_ok[:, None] & d_ok[None, :])
+    tl.store(Mid_lse + token * stride_lt + head * stride_lh + split, lse, mask=store_ok)
 
 
 # Chosen with bench/tune_split_kv.py on an H200 (docs/PERFORMANCE.md): programs per SM that the split count aims at
@@ -274,22 +252,19 @@ def launch_split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     stride_mb, stride_mt = (mask.stride(0), mask.stride(1)) if has_mask else (0, 0)
     torch._check(not pdl or HAS_GDC, lambda: "split-K attention: pdl needs a Triton with grid dependency control")
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    counters = merge_counters(q.device, programs_per_split)
     wrap_triton(_split_kv_partial_kernel)[(bs * m_blocks, kv_heads, max_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mask, mid_o, mid_lse,
         scale * LOG2E, mask_width, programs_per_split, max_splits, target_programs, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out, counters if counters is not None else seq_lens, out.stride(0), out.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=dim, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
-        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), FUSED_MERGE=counters is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+        USE_PDL=pdl, LINE=min(block_d, 128 // k_cache.element_size()), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch,
     )
-    if counters is None:
-        launch_split_kv_merge(mid_o, mid_lse, out, seq_lens, q_len, programs_per_split, max_splits, target_programs,
-                              min_split_len, pdl)
+    launch_split_kv_merge(mid_o, mid_lse, out, seq_lens, q_len, programs_per_split, max_splits, target_programs,
+                          min_split_len, pdl)
     return out
 
 

@@ -2,15 +2,9 @@
 per split of the request's keys, weighted by their log-sum-exps (base 2). The split count is
 :func:`num_kv_splits` of the request's length, as in stage 1; the partial buffers hold ``max_splits`` slots per
 (token, head), and the slots of splits a request did not use hold stale values that must not reach the output.
-
-With ``FUSED_MERGE`` the partial kernel merges instead (:func:`merge_if_last`): the last split of each (request, row
-block, KV head) to finish merges them all, so a layer's attention is one kernel; a request with one split writes
-its output directly.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -72,41 +66,6 @@ def split_kv_merge_kernel(
     tl.store(Out + token * stride_outt + head * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
-def merge_if_last(Mid_o, Mid_lse, Counters, split, n_splits, token, head, row_ok, d, d_ok, out_ptr,
-                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """The split merge in the partial kernel (``FUSED_MERGE``): every split of a (request, row block, KV head)
-    counts its arrival on ``Counters`` after storing its partial; the last to arrive merges them all (as
-    ``split_kv_merge_kernel`` does, online over the splits) and sets the counter back to 0 for the next launch. The
-    barrier orders the program's partial stores before the release of the count; the merge's loads bypass L1 (another
-    SM wrote them)."""
-    group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)  # (request, row block) x KV head
-    tl.debug_barrier()
-    if split < n_splits:
-        arrived = tl.atomic_add(Counters + group, 1, sem="acq_rel")
-        if arrived == n_splits - 1:
-            tl.store(Counters + group, 0)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            den = tl.zeros([BLOCK_M], tl.float32)
-            num = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for s in range(0, n_splits):
-                lse = tl.load(Mid_lse + token * stride_lt + head * stride_lh + s, mask=row_ok, other=float("-inf"),
-                              cache_modifier=".cg")  # [BLOCK_M]
-                o = tl.load(Mid_o + token[:, None] * stride_ot + head[:, None] * stride_oh + s * stride_os
-                            + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                            cache_modifier=".cg").to(tl.float32)  # [BLOCK_M, BLOCK_D]
-                m_new = tl.maximum(m, lse)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_ref)
-                w = tl.exp2(lse - m_ref)
-                num = num * alpha[:, None] + o * w[:, None]
-                den = den * alpha + w
-                m = m_new
-            tl.store(out_ptr, (num / tl.maximum(den, 1e-30)[:, None]).to(OUT_DTYPE),
-                     mask=row_ok[:, None] & d_ok[None, :])
-
-
 REDUCE_NUM_WARPS = 2  # the merge kernel's (docs/PERFORMANCE.md, GPU attention kernels)
 # PDL, one query token (batch-1 decode, where o_proj takes a one-row launch that preloads its weights): the merge
 # lets the next kernel launch before its own wait, so that o_proj's programs are resident, and load their first
@@ -134,39 +93,3 @@ def launch_split_kv_merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch
         EARLY_TRIGGER=pdl and MERGE_EARLY_TRIGGER and n == 1, num_warps=REDUCE_NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
-
-
-# The split merge inside the partial kernel (the last split of a (request, row block, KV head) merges, counted on a
-# persistent int32 buffer that the kernel sets back to zero): one kernel a layer less. Needs the counters reserved
-# ahead of any CUDA-graph capture (reserve_merge_counters), and an eager launch (the opaque PDL ops, or outside
-# torch.compile): a traced triton_op would see the buffer as a constant. Off until timed on a GPU.
-FUSED_MERGE = False
-_COUNTERS: dict[str, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # smaller buffers replaced by larger ones: graphs captured earlier still use them
-
-
-def _device_key(device: torch.device) -> str:
-    """One key for a device however it is named: the engine's ``cuda`` and a tensor's ``cuda:0`` are one GPU."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
-def reserve_merge_counters(device: torch.device, size: int) -> None:
-    """Allocate (zeroed) the fused merge's counters for up to ``size`` (request, row block, KV head) groups on
-    ``device``; call before capturing graphs (an allocation during a capture would come from the graph's pool).
-    Launches on one device share the buffer: they run one after another on the stream, and each leaves it zeroed."""
-    key = _device_key(device)
-    if key not in _COUNTERS or _COUNTERS[key].numel() < size:
-        if key in _COUNTERS:
-            _RETIRED.append(_COUNTERS[key])
-        _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-
-
-def merge_counters(device: torch.device, groups: int) -> Optional[torch.Tensor]:
-    """The reserved counters if the fused merge applies to a launch of ``groups`` groups, else None."""
-    buf = _COUNTERS.get(_device_key(device))
-    if not FUSED_MERGE or buf is None or torch.compiler.is_compiling():
-        return None
-    return buf if buf.numel() >= groups else None

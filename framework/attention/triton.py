@@ -31,9 +31,6 @@ from framework.config import ConfigError
 from framework.kv import KVAllocator, KVPool
 from tfs_kernels.mask_bits import MASK_WORD_BITS, pack_mask_bits  # plain torch: no triton import
 
-# row blocks of a (request, KV head) that the fused split merge keeps counters for (q_len x group query rows, 64
-# a block: verify widths up to 16 tokens at a group of 64); launches with more merge in their own kernel
-MAX_ROW_BLOCKS = 16
 NEEDS_CUDA = "attention=triton needs a CUDA device (set TRITON_INTERPRET=1 to run the Triton interpreter on the CPU)"
 
 
@@ -93,11 +90,6 @@ class TritonBackend(AttentionBackend):
             # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
             # cudagraph trees from copying it into the graph on every replay
             torch._dynamo.mark_static_address(allocator.req_to_token)
-        from tfs_kernels import split_kv_merge
-
-        if split_kv_merge.FUSED_MERGE:  # its counters, before any graph is captured: (request, row block, KV head)
-            split_kv_merge.reserve_merge_counters(allocator.device,
-                                                  allocator.req_to_token.shape[0] * num_kv_heads * MAX_ROW_BLOCKS)
 
     def set_deterministic(self) -> None:
         """Every mode through ``tfs::det_attention``, with one split length for the engine's table width."""
