@@ -5,8 +5,9 @@ mode and in deterministic mode at each batch size, with ``context`` tokens in ev
         attention=triton model.tokenizer=$TFS_TOKENIZER
     python3 bench/bench_deterministic.py --modes deterministic --tiles 16,32,256,4,4 16,64,128,4,4 -- ...
 
-One engine per mode (and per ``--tiles`` entry: ``tfs::det_matmul``'s (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) on
-CUDA, tfs_kernels/det_matmul.py CUDA_TILE, for every shape class) serves every batch size; extra Hydra overrides go after ``--``.
+One engine per mode (and per ``--tiles`` entry: ``tfs::det_matmul``'s (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, swap
+[, split_k]]) on CUDA, tfs_kernels/det_matmul.py CUDA_TILE, for every shape class) serves every batch size; extra Hydra
+overrides go after ``--``.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--modes", nargs="+", default=["default", "deterministic"], choices=["default", "deterministic"])
-    ap.add_argument("--tiles", nargs="+", default=[], help="det_matmul CUDA tiles BM,BN,BK,warps,stages to compare")
+    ap.add_argument("--tiles", nargs="+", default=[],
+                    help="det_matmul CUDA tiles BM,BN,BK,warps,stages[,swap[,split]] to compare")
     ap.add_argument("extra", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()
     rows = []

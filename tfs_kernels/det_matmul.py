@@ -4,10 +4,11 @@ the row sits (model.deterministic).
 cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in its
 last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the tiling is
 fixed (an RMSNorm or a SiLU-mul before the product and a residual add after it fold in): every program computes a
-``[BLOCK_M, BLOCK_N]`` output tile, reducing over K in ``BLOCK_K`` steps from 0 upwards with one float32
-accumulator, and the tile sizes, warps and stages are constants (never chosen by M, never autotuned; M is not
-specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row
-of the tile does not read the other rows.
+``[BLOCK_M, BLOCK_N]`` output tile, reducing over K (or over one of a fixed number of K ranges, whose float32 partials a
+second kernel sums in range order) in ``BLOCK_K`` steps upwards with one float32 accumulator, and the tile, its operand
+order, warps, stages and split are chosen by the weight's shape alone (never by M, never autotuned; M is not
+specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row of
+the tile does not read the other rows.
 
 Like ``tfs::det_rmsnorm`` and ``tfs::det_attention`` (and the ``*_pdl`` ops), this is an opaque custom op
 (``torch.library.custom_op`` with a fake kernel), not a ``triton_op``: torch.compile calls it as it is. Inductor

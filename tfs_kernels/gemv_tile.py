@@ -117,7 +117,7 @@ def gemv_tile(X, W, NW, M, N, K, eps, x_rows, stride_wn, offs_n, w_first, NORM: 
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     # the CUDA-core tiles sum over K once, after the loop (summed per chunk, the tile made SmolLM2's batch-8 forward
-    # 2.9x slower than cuBLAS's on an H100, docs/PERFORMANCE.md; this form is not timed yet)
+    # 2.9x slower than the default path's on an H100; in this form 1.6x, docs/PERFORMANCE.md)
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     elif BLOCK_M < 16:
