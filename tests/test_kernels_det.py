@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tfs_kernels.det_attention import det_attention, det_attention_reference, split_len
+from tfs_kernels.det_attention import det_attention, det_attention_reference, min_split
 import tfs_kernels.det_matmul as det_matmul_module
 from tfs_kernels.det_matmul import det_matmul, det_matmul_reference
 from tfs_kernels.det_rmsnorm import det_rmsnorm, det_rmsnorm_reference
@@ -98,7 +98,7 @@ class Paged:
         self.table, self.rpi, num_slots = paged_table(seq_lens, page_size, width, device, seed)
         self.k, self.v = random_pool(num_slots, kv_heads, dim, dtype, device, seed + 1)
         self.heads, self.dim, self.device, self.dtype = heads, dim, device, dtype
-        self.split = split_len(width, device)
+        self.split = min_split(device)
         self.seq_lens = seq_lens
 
     def run(self, q, reqs, seq_lens, q_len=1, mask=None, bits=False, starts=None, lens=None, reference=False):
@@ -230,6 +230,40 @@ def test_det_matmul_gpu_bf16(n: int, k: int, tile, monkeypatch) -> None:
     assert det_matmul(x, w, out_float32=True).dtype == torch.float32
     res = randn(64, n, seed=21, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(det_matmul(x, w, residual=res).float(), (x @ w.T + res).float(), atol=5e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_det_matmul_gpu_pdl_same_bits() -> None:
+    """A layer's chain of det_matmul calls (RMSNorm, residual and SiLU-mul fused; down's tile split) launched with
+    programmatic dependent launch, eagerly and replayed in a CUDA graph, gives the plain launches' bits."""
+    from tfs_kernels.pdl import pdl_supported
+
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 and a Triton with grid dependency control")
+    w_qkv, w_o = (randn(*s, seed=30 + i, device="cuda", dtype=torch.bfloat16) / 64 for i, s in
+                  enumerate([(6144, 4096), (4096, 4096)]))
+    w_up, w_down = (randn(*s, seed=32 + i, device="cuda", dtype=torch.bfloat16) / 64 for i, s in
+                    enumerate([(28672, 4096), (4096, 14336)]))
+    nw = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
+    x = randn(8, 4096, seed=34, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        qkv = det_matmul(x, w_qkv, norm_weight=nw, eps=1e-5, pdl=pdl)
+        x = det_matmul(qkv[:, :4096].contiguous(), w_o, residual=x, pdl=pdl)
+        h = det_matmul(x, w_up, norm_weight=nw, eps=1e-5, pdl=pdl)
+        return det_matmul(h, w_down, residual=x, silu_mul=True, pdl=pdl)
+
+    plain = layer(layer(x, False), False)
+    assert torch.equal(layer(layer(x, True), True), plain)
+    layer(layer(x, True), True)  # warm-up before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(layer(x, True), True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
 
 
 @pytest.mark.gpu

@@ -2,12 +2,16 @@
 (model.deterministic): a decode step, a verify of draft tokens and a prefill reduce a token's keys in one order.
 
 Each token is processed on its own (its query heads of one KV head are the rows of a tile): grid
-``(num_tokens, kv_heads, max_splits)``. Its keys are split by a fixed number of keys, ``SPLIT`` (split ``s`` covers
-key indices ``[s * SPLIT, (s + 1) * SPLIT)``), never by a split count chosen from the batch or the length; within a
-split, tiles of ``BLOCK_N`` keys from the split's start are folded by the online softmax, every tile masked the same
-way (keys past the token's last visible key score ``-inf`` and add exact zeros). Stage 2 merges a token's splits in
-index order with one global max. A verify row at position p has more keys after it than the decode row at p had,
-but those fall in masked tiles and empty splits, which change nothing, so both give the same bits.
+``(num_tokens, kv_heads, split slots)``. Its keys are split by a length that depends on the token's own position
+only, never on the batch, the forward or the request's length: a token at position p (keys ``[0, p]`` causally
+visible) splits them into pieces of one length for that p (a multiple of ``BLOCK_N``, at least the op's ``split``
+keys, long enough that at most ``MAX_SPLITS`` pieces cover ``p + 1`` keys; split ``s`` covers key indices
+``[s * len, (s + 1) * len)``). Within a split, tiles of ``BLOCK_N`` keys from the split's start are folded by the
+online softmax, every tile masked the same way (keys past the token's last visible key score ``-inf`` and add exact
+zeros). Stage 2 merges a token's splits in index order with one global max. A verify row at position p may see
+more keys after it than the decode row at p had (with a custom mask), but those fall in masked tiles and in splits
+whose keys are all masked, which add exact zeros, so both give the same bits. Short contexts get many short splits
+(a decode step at batch 1 fills the GPU), long ones at most ``MAX_SPLITS`` per token (the partials' memory).
 
 Modes: uniform (``q_len`` tokens per request: DECODE, TARGET_VERIFY, DRAFT_*), causal or with a custom mask over the
 last ``mask_width`` keys (bytes, or one int64 word per row); ragged EXTEND (``q_starts`` / ``q_lens`` per request,
@@ -31,26 +35,26 @@ from tfs_kernels.online_softmax import dot, online_softmax_step
 from tfs_kernels.split_kv_attention import split_kv_attention_reference
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 16  # split slots per (token, head): the split length grows with the table width beyond 16 * MIN_SPLIT
-MIN_SPLIT = {"cuda": 256, "cpu": 32}  # keys per split (a multiple of BLOCK_N)
+# splits per token's causally visible keys (the split length grows with the position beyond MAX_SPLITS *
+# MIN_SPLIT keys); "cpu": the interpreter's small shapes, which then also cover the growth
+MAX_SPLITS = {"cuda": 16, "cpu": 2}
+MIN_SPLIT = {"cuda": 64, "cpu": 32}  # keys per split at least (a multiple of BLOCK_N)
 BLOCK_N = {"cuda": 64, "cpu": 16}
 NUM_WARPS = {"cuda": 4, "cpu": 1}
 
 
-def split_len(width: int, device_type: str) -> int:
-    """Keys per split for a ``req_to_token`` table ``width`` keys wide: fixed for an engine (its table width does
-    not change), a power of two, at least ``MIN_SPLIT``, and at most ``MAX_SPLITS`` splits of the whole table."""
-    split = MIN_SPLIT["cuda" if device_type == "cuda" else "cpu"]
-    while split * MAX_SPLITS < width:
-        split *= 2
-    return split
+def min_split(device_type: str) -> int:
+    """The op's ``split`` for a device: the fewest keys a split covers."""
+    return MIN_SPLIT["cuda" if device_type == "cuda" else "cpu"]
 
 
 @triton.jit
 def _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN: tl.constexpr, RAGGED: tl.constexpr,
-               HAS_MASK: tl.constexpr, SPLIT: tl.constexpr):
+               HAS_MASK: tl.constexpr, MIN_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Request ``b`` of a token, its index ``t`` among the request's new tokens, the request's length, its last
-    causally visible key, and the keys ``[0, limit)`` its splits cover (``n_splits`` of them)."""
+    causally visible key, the keys ``[0, limit)`` its splits cover, their length (by the token's position only:
+    whole ``BLOCK_N`` tiles, at least ``MIN_BLOCKS``, at most ``MAX_SPLITS`` splits up to the last visible key) and
+    their number."""
     if RAGGED:  # requests back to back from q_starts (ascending; empty requests share the next one's start)
         b = token * 0
         for i in range(1, bs):
@@ -64,7 +68,8 @@ def _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN: tl.constexpr, RAGGE
     seq_len = tl.load(Seq_lens + b)
     last_key = seq_len - q_len + t
     limit = seq_len if HAS_MASK else last_key + 1
-    return b, t, seq_len, last_key, limit, tl.cdiv(limit, SPLIT)
+    split = tl.maximum(tl.cdiv(tl.cdiv(last_key + 1, BLOCK_N), MAX_SPLITS), MIN_BLOCKS) * BLOCK_N
+    return b, t, seq_len, last_key, limit, split, tl.cdiv(limit, split)
 
 
 @triton.jit
@@ -74,18 +79,18 @@ def _det_partial_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_req, stride_mb, stride_mt,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, RAGGED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
-    # grid: (num_tokens, kv_heads, max_splits)
+    # grid: (num_tokens, kv_heads, split slots)
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     scale_log2e = tl.cast(scale_log2e, tl.float32)
-    b, t, seq_len, last_key, limit, n_splits = _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN, RAGGED,
-                                                          HAS_MASK, SPLIT)
-    start = split * SPLIT
-    end = tl.minimum(start + SPLIT, limit)
+    b, t, seq_len, last_key, limit, split_len, n_splits = _token_row(
+        token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN, RAGGED, HAS_MASK, MIN_BLOCKS, MAX_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, limit)
     end = tl.where(split < n_splits, end, start)  # splits past the token's keys do nothing
     g = tl.arange(0, BLOCK_M)
     g_ok = g < GROUP
@@ -132,13 +137,14 @@ def _det_partial_kernel(
 def _det_merge_kernel(
     Mid_o, Mid_lse, Out, Seq_lens, Q_starts, Q_lens, bs,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
-    Q_LEN: tl.constexpr, RAGGED: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_LEN: tl.constexpr, RAGGED: tl.constexpr, HAS_MASK: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # grid: (num_tokens, heads); the token's splits in index order, weighted by exp2(lse - global max)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    n_splits = _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN, RAGGED, HAS_MASK, SPLIT)[5]
+    n_splits = _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN, RAGGED, HAS_MASK, MIN_BLOCKS, MAX_SPLITS,
+                          BLOCK_N)[6]
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse_row = Mid_lse + token * stride_lt + head * stride_lh
@@ -166,7 +172,8 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     req_pool_indices / seq_lens ``[bs]`` (keys after this forward). Uniform (``q_starts`` None): ``n = bs * q_len``,
     request-major, causal or ``custom_mask`` ``[bs, q_len, mask_width]`` (uint8 / bool; ``mask_bits`` ``[bs, q_len]``
     int64, its packed copy, read instead when given). Ragged EXTEND: ``q_starts`` / ``q_lens`` ``[bs]``, causal.
-    ``split``: keys per split (:func:`split_len`). -> ``[n, heads, dim]`` in q's dtype."""
+    ``split``: the fewest keys per split (:func:`min_split`), a multiple of the kernel's key tile. -> ``[n, heads,
+    dim]`` in q's dtype."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -174,9 +181,10 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dev = "cuda" if q.is_cuda else "cpu"
     block_n = BLOCK_N[dev]
     torch._check(split % block_n == 0, lambda: f"det_attention: split {split} is not a multiple of {block_n}")
-    max_splits = triton.cdiv(req_to_token.shape[1], split)
     ragged = q_starts is not None
     has_mask = custom_mask is not None
+    # a token's splits up to its last visible key, and with a mask those over the request's later new tokens
+    max_splits = MAX_SPLITS[dev] + (triton.cdiv(q_len - 1, split) if has_mask else 0)
     use_bits = has_mask and mask_bits is not None
     mask = seq_lens  # an unused stand-in without a mask
     if use_bits:
@@ -198,16 +206,17 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         req_to_token.stride(0), stride_mb, stride_mt,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         Q_LEN=1 if ragged else q_len, RAGGED=ragged, GROUP=group, HEAD_DIM=dim,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
-        HAS_MASK=has_mask, MASK_BITS=use_bits, IEEE_DOT=k_cache.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        MIN_BLOCKS=split // block_n, MAX_SPLITS=MAX_SPLITS[dev], HAS_MASK=has_mask, MASK_BITS=use_bits,
+        IEEE_DOT=k_cache.dtype == torch.float32,
         num_warps=NUM_WARPS[dev], num_stages=1,
     )
     _det_merge_kernel[(n, heads)](
         mid_o, mid_lse, out, seq_lens, starts, lens, bs,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        Q_LEN=1 if ragged else q_len, RAGGED=ragged, HAS_MASK=has_mask, SPLIT=split, HEAD_DIM=dim,
-        BLOCK_D=block_d, num_warps=1,
+        Q_LEN=1 if ragged else q_len, RAGGED=ragged, HAS_MASK=has_mask, MIN_BLOCKS=split // block_n,
+        MAX_SPLITS=MAX_SPLITS[dev], BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d, num_warps=1,
     )
     return out
 

@@ -30,6 +30,7 @@ import triton.language as tl
 from tfs_kernels.det_rmsnorm import det_rmsnorm_reference
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.gemv import launch_class
+from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, swap[, split_k]]) on CUDA. BLOCK_M 16: the smallest
 # tensor-core tile, so that a decode forward of a few rows wastes little. ``swap`` True: the product's operands
@@ -38,17 +39,21 @@ from tfs_kernels.gemv import launch_class
 # by a second kernel in range order (more programs for a narrow weight at few rows). Any choice that depends on the
 # weight's shape only (never on M) is batch-invariant: CUDA_TILES holds one per shape class of
 # tfs_kernels.gemv.launch_class, the best mean over 1 and 8 rows on Llama-3-8B's linears in `python3
-# bench/tune_det_matmul.py --models llama3_8b --tiles ...` (H100, 2026-12-06, docs/PERFORMANCE.md); a class without
-# an entry takes CUDA_TILE.
+# bench/tune_det_matmul.py --models llama3_8b --rows 1 8 --block-n 64 128 --block-k 128 256 --stages 3 4 --swap 1
+# --split-k 1 2 4 8` (H100, 2026-12-06, docs/PERFORMANCE.md; x the default mode's time: tfs::gemv at 1 row, cuBLAS at
+# 8); a class without an entry takes CUDA_TILE.
 CUDA_TILE = (16, 32, 256, 4, 4)
 CUDA_TILES: dict[str, tuple] = {
-    "wide": (16, 64, 256, 4, 3, True, 1),  # qkv [6144, 4096]: 1.35x tfs::gemv at 1 row, 0.64x cuBLAS at 8
-    "square": (16, 32, 256, 4, 4, False, 1),  # o [4096, 4096]: 1.10x / 0.82x
-    "very_wide": (16, 64, 128, 4, 3, False, 1),  # gate_up [28672, 4096]: 1.24x / 0.95x
-    "tall": (16, 64, 256, 4, 3, True, 4),  # down [4096, 14336]: 1.44x / 1.06x
-    "vocab": (16, 64, 256, 4, 3, True, 1),  # lm_head [128256, 4096]: 0.85x / 0.88x
+    "wide": (16, 64, 256, 4, 4, True, 1),  # qkv [6144, 4096]: 1.33x at 1 row, 0.62x at 8
+    "square": (16, 64, 256, 4, 4, True, 1),  # o [4096, 4096]: 1.06x / 0.79x
+    "very_wide": (16, 128, 256, 4, 3, True, 1),  # gate_up [28672, 4096]: 1.18x / 0.88x
+    "tall": (16, 128, 128, 4, 4, True, 4),  # down [4096, 14336]: 1.09x / 0.85x
+    "vocab": (16, 64, 256, 4, 4, True, 1),  # lm_head [128256, 4096]: 0.89x / 0.93x
 }
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
+# columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
+# kernel before it (tfs_kernels/pdl.py); a multiple of 64
+PDL_PREFETCH_K = 256
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
 
 
@@ -64,7 +69,7 @@ def _det_matmul_kernel(
     X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
     # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
@@ -80,6 +85,12 @@ def _det_matmul_kernel(
     row_ok = rows < M
     col_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
+    if USE_PDL:  # launched early (programmatic dependent launch): the weight's first columns into L2, then the wait
+        if PREFETCH_K > 0:  # one prefetch per 128-byte line (64 16-bit values), clamped to the last row and column
+            lines = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            prefetch_l2(W + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
     if NORM:  # RMSNorm of the rows first: every program sums a row's squares in the same BLOCK_K steps
         sum_sq = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -130,8 +141,11 @@ def _epilogue(acc, Out, Residual, rows, cols, ok, stride_om, stride_rm, HAS_RESI
 
 @triton.jit
 def _det_matmul_reduce_kernel(Partial, Out, Residual, M, N, stride_om, stride_rm, SPLIT_K: tl.constexpr,
-                              BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                              BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     # grid: (M, cdiv(N, BLOCK)); Partial [SPLIT_K, M, N] float32, summed in split order
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = cols < N
@@ -149,11 +163,13 @@ def cuda_tile(n: int, k: int) -> tuple:
 @torch.library.custom_op("tfs::det_matmul", mutates_args=())
 def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                   out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
-                  eps: float = 1e-5) -> torch.Tensor:
+                  eps: float = 1e-5, pdl: bool = False) -> torch.Tensor:
     """x ``[M, K]`` (``[M, 2K]``: gate | up when ``silu_mul``; unit stride along K), w ``[N, K]`` (a linear
     layer's weight) -> ``x @ w.T`` ``[M, N]`` in w's dtype, or float32 (the accumulator, unrounded) when
     ``out_float32``; ``silu_mul``: ``(silu(gate) * up) @ w.T``; ``norm_weight`` ``[K]``: ``rmsnorm(x) @ w.T``
-    (RMSNorm with ``eps``; not with ``silu_mul``); ``residual`` ``[M, N]``: added to the (rounded) product."""
+    (RMSNorm with ``eps``; not with ``silu_mul``); ``residual`` ``[M, N]``: added to the (rounded) product.
+    ``pdl``: the kernels launched with programmatic dependent launch (CUDA, tfs_kernels/pdl.py), each program
+    prefetching ``PDL_PREFETCH_K`` columns of its weight rows into L2 before it waits (the same sums)."""
     m = x.shape[0]
     n, k = w.shape
     torch._check(x.shape[1] == (2 * k if silu_mul else k), lambda: f"det_matmul: x has {x.shape[1]} columns for K {k}")
@@ -161,6 +177,7 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     out = torch.empty((m, n), dtype=torch.float32 if out_float32 else w.dtype, device=x.device)
     has_res = residual is not None
     torch._check(norm_weight is None or not silu_mul, lambda: "det_matmul: norm_weight with silu_mul")
+    torch._check(not pdl or (HAS_GDC and x.is_cuda), lambda: "det_matmul: pdl needs CUDA and grid dependency control")
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
     block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
@@ -170,7 +187,8 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     norm = w if norm_weight is None else norm_weight
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
                   NORM=norm_weight is not None, IEEE_DOT=w.dtype == torch.float32, SWAP_AB=swap, SPLIT_K=split,
-                  num_warps=warps, num_stages=stages)
+                  USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
+                  num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     for r0 in range(0, m, SPLIT_ROWS if split > 1 else max(m, 1)):  # a row's sums: the same in any launch
         rows = min(m - r0, SPLIT_ROWS) if split > 1 else m
         xs, outs, res = x[r0:], out[r0:], residual[r0:] if has_res else out
@@ -181,14 +199,14 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
         if split > 1:
             _det_matmul_reduce_kernel[(rows, triton.cdiv(n, 1024))](
                 partial, outs, res, rows, n, out.stride(0), res.stride(0), SPLIT_K=split, BLOCK=1024,
-                HAS_RESIDUAL=has_res, num_warps=4)
+                HAS_RESIDUAL=has_res, USE_PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
 @det_matmul_op.register_fake
 def _det_matmul_fake(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
                      silu_mul: bool = False, out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
-                     eps: float = 1e-5) -> torch.Tensor:
+                     eps: float = 1e-5, pdl: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if out_float32 else w.dtype)
 
 
@@ -197,7 +215,7 @@ CPU_ROW_BLOCK = 16  # rows per product of the reference
 
 def det_matmul_reference(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None,
                          silu_mul: bool = False, out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
-                         eps: float = 1e-5) -> torch.Tensor:
+                         eps: float = 1e-5, pdl: bool = False) -> torch.Tensor:
     """Plain torch: the rows zero-padded to blocks of ``CPU_ROW_BLOCK`` and each block one ``[16, K] x [K, N]``
     product of a batched matmul, the same BLAS call shape for every block of every M. (One CPU GEMM over all M rows
     blocks K by M: nearly every output of a row differs in its last bits between M = 1 and M = 8; within a
@@ -223,13 +241,13 @@ register_cpu_reference(det_matmul_op, det_matmul_reference)
 
 def det_matmul(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
-               eps: float = 1e-5) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere. x may have leading
-    dims ``[..., K]`` (residual the same leading dims)."""
+               eps: float = 1e-5, pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere (which ignores
+    ``pdl``). x may have leading dims ``[..., K]`` (residual the same leading dims)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     res2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
     fn = torch.ops.tfs.det_matmul if use_triton(x2) else det_matmul_reference
-    return fn(x2, w, res2, silu_mul, out_float32, norm_weight, eps).view(*lead, w.shape[0])
+    return fn(x2, w, res2, silu_mul, out_float32, norm_weight, eps, pdl and x2.is_cuda).view(*lead, w.shape[0])

@@ -9,8 +9,8 @@
 - DRAFT_EXTEND (ragged): as EXTEND;
 - TARGET_VERIFY / DRAFT_EXTEND_V2 / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
   tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none);
-- model.deterministic: every mode through ``tfs::det_attention`` (a fixed number of keys per split, one token per
-  program), so that a token's output is the same bits in a decode, a verify and a prefill.
+- model.deterministic: every mode through ``tfs::det_attention`` (a token's keys split by a length that depends on
+  its position only, one token per program), so that a token's output is the same bits in a decode, a verify and a prefill.
 
 The kernels read slots straight from the allocator's ``req_to_token`` table, so the metadata is the batch's own
 tensors plus that table: no per-step gather, no host-computed width, nothing read back from the device. Its shapes
@@ -92,12 +92,12 @@ class TritonBackend(AttentionBackend):
             torch._dynamo.mark_static_address(allocator.req_to_token)
 
     def set_deterministic(self) -> None:
-        """Every mode through ``tfs::det_attention``, with one split length for the engine's table width."""
-        from tfs_kernels.det_attention import det_attention, split_len
+        """Every mode through ``tfs::det_attention`` (splits of at least the device's ``min_split`` keys)."""
+        from tfs_kernels.det_attention import det_attention, min_split
 
         self.deterministic = True
         self._det_attention = det_attention
-        self._det_split = split_len(self.allocator.req_to_token.shape[1], self.allocator.device.type)
+        self._det_split = min_split(self.allocator.device.type)
 
     def expect_q_lens(self, q_lens: list[int]) -> None:
         for q_len in q_lens:

@@ -163,7 +163,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
-        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py). Tensor-parallel: o_proj's and
+        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py; also ``tfs::det_matmul``'s in
+        deterministic mode). Tensor-parallel: o_proj's and
         down_proj's partial products are all-reduced before the residual add (not fused into their gemv)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
@@ -186,10 +187,10 @@ class DecoderLayer(nn.Module):
         if self.mlp.deterministic:  # model.deterministic: the norms, residual adds and SiLU-mul in tfs::det_matmul
             attn, mlp = self.self_attn, self.mlp
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-            qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps)
-            x = det_matmul(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x)
-            h = det_matmul(x, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps)
-            return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True)
+            qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
+            x = det_matmul(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x, pdl=pdl)
+            h = det_matmul(x, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps, pdl=pdl)
+            return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -287,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         # and only in uniform batches (a compiled prefill's metadata says it is not one)
         fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
                  and x.shape[0] <= min(FUSED_MAX_ROWS, GEMV_MAX_ROWS))
-        x = run_layers(layers, x, rope, meta, fused, fused and self.pdl, self.regional)
+        x = run_layers(layers, x, rope, meta, fused, (fused or self.deterministic) and self.pdl, self.regional)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
             torch._check(logits_index.shape[0] == x.shape[0], lambda: "fused lm_head: logits of every row only")
@@ -296,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
         if self.deterministic:
-            return det_matmul(rows, self.lm_head.weight, out_float32=True), hidden
+            return det_matmul(rows, self.lm_head.weight, out_float32=True, pdl=self.pdl), hidden
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
         logits = logits.float()  # [m, vocab] (tensor-parallel: [m, vocab / N], this rank's rows, then gathered)
         return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)
