@@ -54,6 +54,11 @@ SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time 
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
 PDL_PREFETCH_K = 256
+# With a fused RMSNorm and K whole in one program (no split): each program sums a row's squares in its weight loop
+# and scales the product by 1 / rms after it, ((x * nw) @ w.T) / rms(x), as tfs::gemv's LATE_NORM does, instead of
+# a pass over x before the weight starts streaming (with the split, every range needs the whole row's rms first).
+# Either way a row's arithmetic does not depend on M; the two round differently.
+LATE_NORM = True
 INTERPRET_TILE = (16, 16, 32, 1, 1)  # small tiles: several programs and K steps on test shapes
 
 
@@ -69,7 +74,7 @@ def _det_matmul_kernel(
     X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE_NORM: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
     # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
@@ -91,8 +96,8 @@ def _det_matmul_kernel(
             prefetch_l2(W + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
         gdc_wait()
         gdc_launch_dependents()
-    if NORM:  # RMSNorm of the rows first: every program sums a row's squares in the same BLOCK_K steps
-        sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)  # a row's sum of squares, in the same BLOCK_K steps in every program
+    if NORM and not LATE_NORM:  # RMSNorm of the rows first: a pass over x before the weight streams
         for k0 in range(0, K, BLOCK_K):
             xs = tl.load(X + rows[:, None] * stride_xm + (k0 + kk)[None, :],
                          mask=row_ok[:, None] & ((k0 + kk) < K)[None, :], other=0.0).to(tl.float32)
@@ -111,9 +116,14 @@ def _det_matmul_kernel(
             up = tl.load(x_ptr + K, mask=x_ok, other=0.0).to(tl.float32)
             gate = x.to(tl.float32)
             x = gate / (1.0 + tl.exp(-gate)) * up
-        if NORM:  # as RMSNorm rounds: the normalised row in x's dtype, times the weight, in w's dtype
+        if NORM:
             nw = tl.load(Norm_weight + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * nw[None, :]
+            if LATE_NORM:  # x times the norm's weight now, the row's 1 / rms after the loop
+                xf = x.to(tl.float32)
+                sum_sq += tl.sum(xf * xf, 1)
+                x = xf * nw[None, :]
+            else:  # as RMSNorm rounds: the normalised row in x's dtype, times the weight, in w's dtype
+                x = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * nw[None, :]
         x = x.to(W.dtype.element_ty)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]
@@ -123,6 +133,8 @@ def _det_matmul_kernel(
             acc = _dot(x, tl.trans(w), acc, IEEE_DOT)  # [BLOCK_M, BLOCK_N]
     if SWAP_AB:
         acc = tl.trans(acc)
+    if NORM and LATE_NORM:  # [BLOCK_M, BLOCK_N] sums scaled by each row's 1 / rms
+        acc = acc * (1.0 / tl.sqrt(sum_sq / K + tl.cast(eps, tl.float32)))[:, None]
     out_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tl.store(Partial + (tl.program_id(1) * M + rows[:, None]) * N + cols[None, :], acc, mask=out_ok)
@@ -188,6 +200,7 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,
                   NORM=norm_weight is not None, IEEE_DOT=w.dtype == torch.float32, SWAP_AB=swap, SPLIT_K=split,
                   USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
+                  LATE_NORM=LATE_NORM and split == 1,
                   num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     for r0 in range(0, m, SPLIT_ROWS if split > 1 else max(m, 1)):  # a row's sums: the same in any launch
         rows = min(m - r0, SPLIT_ROWS) if split > 1 else m
