@@ -3,6 +3,7 @@
     python3 bench/tune_det_matmul.py                                 # Llama-3-8B's and SmolLM2's shapes, 1 and 8 rows
     python3 bench/tune_det_matmul.py --models smollm2 --rows 1 --block-n 16 32 --block-k 64 128 256
     python3 bench/tune_det_matmul.py --models llama3_8b --tiles 16,32,256,4,4 16,64,128,4,3,1,2   # given tiles
+    python3 bench/tune_det_matmul.py --models llama3_8b --tiles 16,64,256,4,4,1,1 --late-norm 0   # the norm first
 
 model.deterministic runs every linear through ``tfs::det_matmul`` with a tile chosen by the weight's shape class
 (tfs_kernels.gemv.launch_class: tall, square, wide, very_wide, vocab; never by the row count, so any choice stays
@@ -93,16 +94,20 @@ def main() -> None:
     ap.add_argument("--split-k", nargs="+", type=int, default=[1], help="K ranges (the tile's seventh entry)")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,BK,WARPS,STAGES[,SWAP[,SPLIT]]",
                     help="these tiles instead of the product of the options above")
+    ap.add_argument("--late-norm", type=int, choices=[0, 1], default=int(det.LATE_NORM),
+                    help="det_matmul.LATE_NORM: a fused RMSNorm's 1 / rms applied after the weight loop (1) or a pass "
+                         "over x before it (0)")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    det.LATE_NORM = bool(args.late_norm)
     tiles = [(16, bn, bk, w, s, bool(sw), sk) for bn, bk, w, s, sw, sk in itertools.product(
         args.block_n, args.block_k, args.warps, args.stages, args.swap, args.split_k) if bn * bk <= 32768]
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
         tiles = [t[:5] + tuple(bool(v) if i == 0 else v for i, v in enumerate(t[5:])) for t in tiles]
-    print(f"{torch.cuda.get_device_name()}: {len(tiles)} tiles; the current default {det.CUDA_TILE}, per class "
-          f"{det.CUDA_TILES or 'none'}")
+    print(f"{torch.cuda.get_device_name()}: {len(tiles)} tiles (LATE_NORM {det.LATE_NORM}); the current default "
+          f"{det.CUDA_TILE}, per class {det.CUDA_TILES or 'none'}")
     ratios: dict[str, dict[tuple, list[float]]] = {}  # class -> tile -> [time / baseline per (model, shape, rows)]
     for model, rows in itertools.product(args.models, args.rows):
         print(f"\n{model}, {rows} row(s): ms per call (weights from HBM), x the default mode's")

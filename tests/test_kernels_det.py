@@ -101,13 +101,15 @@ class Paged:
         self.split = min_split(device)
         self.seq_lens = seq_lens
 
-    def run(self, q, reqs, seq_lens, q_len=1, mask=None, bits=False, starts=None, lens=None, reference=False):
+    def run(self, q, reqs, seq_lens, q_len=1, mask=None, bits=False, starts=None, lens=None, reference=False,
+            pdl=False):
         fn = det_attention_reference if reference else det_attention
         dev = self.device
         return fn(q, self.k, self.v, self.table, self.rpi[reqs], torch.tensor(seq_lens, device=dev),
                   None if starts is None else torch.tensor(starts, device=dev),
                   None if lens is None else torch.tensor(lens, device=dev), mask,
-                  pack_mask_bits(mask) if bits and mask is not None else None, q_len, self.dim ** -0.5, self.split)
+                  pack_mask_bits(mask) if bits and mask is not None else None, q_len, self.dim ** -0.5, self.split,
+                  pdl)
 
 
 @interpreted
@@ -278,7 +280,9 @@ def test_det_rmsnorm_gpu_bf16() -> None:
 @pytest.mark.gpu
 def test_det_attention_gpu_bf16_token_invariant() -> None:
     """The 8B shape (32 heads, 8 KV heads, 128 dims) in bf16 over a pool of 16-slot pages: kernel vs reference,
-    and a verify row the same bits as the decode step at its position."""
+    a verify row the same bits as the decode step at its position, and launched with PDL the same bits."""
+    from tfs_kernels.pdl import pdl_supported
+
     seq = [700, 33, 1500]
     p = Paged(seq, heads=32, kv_heads=8, dim=128, page_size=16, width=2048, device="cuda", dtype=torch.bfloat16)
     q_len = 8
@@ -286,6 +290,8 @@ def test_det_attention_gpu_bf16_token_invariant() -> None:
     verify = p.run(qv, [0, 1, 2], seq, q_len)
     torch.testing.assert_close(verify.float(), p.run(qv, [0, 1, 2], seq, q_len, reference=True).float(),
                                atol=2e-2, rtol=2e-2)
+    if pdl_supported(torch.device("cuda")):
+        assert torch.equal(p.run(qv, [0, 1, 2], seq, q_len, pdl=True), verify)
     verify = verify.view(3, q_len, 32, 128)
     for b in range(3):
         for t in (0, q_len - 1):

@@ -32,6 +32,7 @@ import triton.language as tl
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.extend_attention import extend_attention_reference
 from tfs_kernels.online_softmax import dot, online_softmax_step
+from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait
 from tfs_kernels.split_kv_attention import split_kv_attention_reference
 
 LOG2E = 1.4426950408889634
@@ -80,9 +81,12 @@ def _det_partial_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, RAGGED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BITS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid: (num_tokens, kv_heads, split slots)
+    if USE_PDL:  # launched early: wait for the kernel that wrote q and the step's keys, then let the merge launch
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,8 +143,12 @@ def _det_merge_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_outt, stride_outh,
     Q_LEN: tl.constexpr, RAGGED: tl.constexpr, HAS_MASK: tl.constexpr, MIN_BLOCKS: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid: (num_tokens, heads); the token's splits in index order, weighted by exp2(lse - global max)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     head = tl.program_id(1)
     n_splits = _token_row(token, Seq_lens, Q_starts, Q_lens, bs, Q_LEN, RAGGED, HAS_MASK, MIN_BLOCKS, MAX_SPLITS,
@@ -167,13 +175,15 @@ def _det_merge_kernel(
 def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, q_starts: Optional[torch.Tensor],
                      q_lens: Optional[torch.Tensor], custom_mask: Optional[torch.Tensor],
-                     mask_bits: Optional[torch.Tensor], q_len: int, scale: float, split: int) -> torch.Tensor:
+                     mask_bits: Optional[torch.Tensor], q_len: int, scale: float, split: int,
+                     pdl: bool = False) -> torch.Tensor:
     """q ``[n, heads, dim]``; k/v_cache ``[num_slots, kv_heads, dim]``; req_to_token ``[rows, width]``;
     req_pool_indices / seq_lens ``[bs]`` (keys after this forward). Uniform (``q_starts`` None): ``n = bs * q_len``,
     request-major, causal or ``custom_mask`` ``[bs, q_len, mask_width]`` (uint8 / bool; ``mask_bits`` ``[bs, q_len]``
     int64, its packed copy, read instead when given). Ragged EXTEND: ``q_starts`` / ``q_lens`` ``[bs]``, causal.
-    ``split``: the fewest keys per split (:func:`min_split`), a multiple of the kernel's key tile. -> ``[n, heads,
-    dim]`` in q's dtype."""
+    ``split``: the fewest keys per split (:func:`min_split`), a multiple of the kernel's key tile. ``pdl``: both
+    stages launched with programmatic dependent launch (CUDA, tfs_kernels/pdl.py). -> ``[n, heads, dim]`` in q's
+    dtype."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -181,6 +191,8 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dev = "cuda" if q.is_cuda else "cpu"
     block_n = BLOCK_N[dev]
     torch._check(split % block_n == 0, lambda: f"det_attention: split {split} is not a multiple of {block_n}")
+    torch._check(not pdl or (HAS_GDC and q.is_cuda), lambda: "det_attention: pdl needs CUDA and grid dependency control")
+    launch_pdl = {"launch_pdl": True} if pdl else {}
     ragged = q_starts is not None
     has_mask = custom_mask is not None
     # a token's splits up to its last visible key, and with a mask those over the request's later new tokens
@@ -208,15 +220,16 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         Q_LEN=1 if ragged else q_len, RAGGED=ragged, GROUP=group, HEAD_DIM=dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         MIN_BLOCKS=split // block_n, MAX_SPLITS=MAX_SPLITS[dev], HAS_MASK=has_mask, MASK_BITS=use_bits,
-        IEEE_DOT=k_cache.dtype == torch.float32,
-        num_warps=NUM_WARPS[dev], num_stages=1,
+        IEEE_DOT=k_cache.dtype == torch.float32, USE_PDL=pdl,
+        num_warps=NUM_WARPS[dev], num_stages=1, **launch_pdl,
     )
     _det_merge_kernel[(n, heads)](
         mid_o, mid_lse, out, seq_lens, starts, lens, bs,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Q_LEN=1 if ragged else q_len, RAGGED=ragged, HAS_MASK=has_mask, MIN_BLOCKS=split // block_n,
-        MAX_SPLITS=MAX_SPLITS[dev], BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d, num_warps=1,
+        MAX_SPLITS=MAX_SPLITS[dev], BLOCK_N=block_n, HEAD_DIM=dim, BLOCK_D=block_d, USE_PDL=pdl, num_warps=1,
+        **launch_pdl,
     )
     return out
 
@@ -230,9 +243,9 @@ def det_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                             q_starts: Optional[torch.Tensor], q_lens: Optional[torch.Tensor],
                             custom_mask: Optional[torch.Tensor], mask_bits: Optional[torch.Tensor], q_len: int,
-                            scale: float, split: int) -> torch.Tensor:
-    """Plain torch (float32 softmax over each token's visible keys); ``split`` and ``mask_bits`` do not change the
-    result."""
+                            scale: float, split: int, pdl: bool = False) -> torch.Tensor:
+    """Plain torch (float32 softmax over each token's visible keys); ``split``, ``mask_bits`` and ``pdl`` do not
+    change the result."""
     if q_starts is not None:
         max_q_len = req_to_token.shape[1]  # an upper bound: no host read of q_lens
         return extend_attention_reference(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts,
@@ -247,8 +260,9 @@ register_cpu_reference(det_attention_op, det_attention_reference)
 def det_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                   req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, q_starts: Optional[torch.Tensor],
                   q_lens: Optional[torch.Tensor], custom_mask: Optional[torch.Tensor],
-                  mask_bits: Optional[torch.Tensor], q_len: int, scale: float, split: int) -> torch.Tensor:
-    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere."""
+                  mask_bits: Optional[torch.Tensor], q_len: int, scale: float, split: int,
+                  pdl: bool = False) -> torch.Tensor:
+    """The op where Triton runs (see :mod:`tfs_kernels.dispatch`), the reference elsewhere (``pdl`` on CUDA only)."""
     fn = torch.ops.tfs.det_attention if use_triton(q) else det_attention_reference
     return fn(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, custom_mask,
-              mask_bits, q_len, scale, split)
+              mask_bits, q_len, scale, split, pdl and q.is_cuda)

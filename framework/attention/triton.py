@@ -179,7 +179,7 @@ class TritonBackend(AttentionBackend):
         if self.deterministic:
             out = self._det_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                       meta.q_starts, meta.q_lens, meta.custom_mask, meta.mask_bits, meta.q_len,
-                                      self.scale, self._det_split)
+                                      self.scale, self._det_split, pdl=self.pdl)
         elif meta.q_starts is not None:
             out = self._extend(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                meta.q_starts, meta.q_lens, meta.q_len, self.scale)
