@@ -52,7 +52,8 @@ def time_mode(args: argparse.Namespace, deterministic: bool, tile: tuple | None)
     sizes = ",".join(map(str, sorted(set(args.batch))))
     llm = LLM([f"model={args.model}", "model.device=cuda", "compile=reduce_overhead",
                f"model.deterministic={str(deterministic).lower()}", f"scheduler.max_running_requests={max(args.batch)}",
-               f"compile.batch_sizes=[{sizes}]", f"scheduler.max_context={args.context + 256}", *args.extra])
+               f"compile.batch_sizes=[{sizes}]", f"scheduler.max_context={args.context + 256}",
+               "compile.prefill=false", *args.extra])  # (prefill eager: the decode programs, a shorter start-up)
     engine = llm.engine
     print(f"deterministic={deterministic} tile={tile}: engine start-up {engine.startup_s:.1f} s", flush=True)
     times = {}

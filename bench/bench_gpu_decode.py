@@ -34,9 +34,11 @@ from framework.sampling import SamplingParams  # noqa: E402
 def decode_setup(model: str, mode: str, bs: int, context: int, steps: int, extra: list[str],
                  device: str = "cuda"):
     """An engine with ``bs`` requests of ``context`` random tokens prefilled and decoding, and one decode
-    ``(step, batch)`` scheduled from it (not yet run)."""
+    ``(step, batch)`` scheduled from it (not yet run). Prefill runs eagerly (``compile.prefill=false``, unless
+    ``extra`` says otherwise): the decode programs are the same, and the engine starts without the prefill
+    compiles, the larger part of a start-up."""
     llm = LLM([f"model={model}", f"model.device={device}", f"compile={mode}", f"scheduler.max_running_requests={bs}",
-               f"scheduler.max_context={context + 4 * steps + 64}", *extra])
+               f"scheduler.max_context={context + 4 * steps + 64}", "compile.prefill=false", *extra])
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     vocab = min(engine.model.args.vocab_size, 49152)
