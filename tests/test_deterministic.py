@@ -2,7 +2,9 @@
 a verify or a prefill computed them, alone or beside other requests (in the default mode they are not: CPU GEMMs
 and SDPA block their sums by the row count); the real SmolLM2's greedy output is token-identical across
 {no speculation, ngram, layer_skip} x {batch 1, 8}; the switch's configuration errors; and the default mode keeps
-its own kernels.
+its own kernels. The GPU path's kernels (``tfs::det_matmul``, ``tfs::det_attention``, ``tfs::det_rmsnorm`` with
+``attention=triton``) are also run in the engine by the Triton interpreter, in a ``TRITON_INTERPRET=1`` subprocess:
+a small random model's greedy output is the same across speculation, batch sizes and page sizes there too.
 
 One engine per drafter serves both batch sizes (the scheduler's running limit is set per run), so the second run
 also prefills over the first run's cached prompts. The kernels' row invariance itself is in
@@ -20,7 +22,10 @@ import torch
 from framework import LLM
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError
+from tests.helpers import run_token_prompts
+from tests.kernel_checks import run_interpreted
 from tests.test_smollm2_golden import CHATS
+from tfs_kernels.dispatch import interpreter_active
 
 slow = pytest.mark.slow
 MAX_TOKENS = 6
@@ -111,13 +116,13 @@ def run_forward(engine, mode: ForwardMode, reqs: list[tuple[int, list[int], int]
     return logits
 
 
-def last_token_logits(engine) -> list[torch.Tensor]:
+def last_token_logits(engine, vocab: int = 49152) -> list[torch.Tensor]:
     """The logits at position 23 of one sequence computed by: a decode step alone after a prefill; a decode step
     beside two other requests; the last row of a 4-token verify (chain mask) beside another request; the last row of
     a whole-prompt prefill beside another request; and a prefill over 19 cached tokens."""
     gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, 49152, (24,), generator=gen).tolist()
-    other = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (30, 9)]
+    seq = torch.randint(0, vocab, (24,), generator=gen).tolist()
+    other = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, 9)]
     run_forward(engine, ForwardMode.EXTEND, [(1, seq[:23], 0)])
     decode_alone = run_forward(engine, ForwardMode.DECODE, [(1, seq, 23)])[0]
     run_forward(engine, ForwardMode.EXTEND, [(2, other[0][:-1], 0), (3, other[1][:-1], 0)])
@@ -140,3 +145,55 @@ def test_token_logits_same_bits_from_every_forward(deterministic: bool) -> None:
     else:  # why the switch exists: the same token's logits from other forwards differ in their last bits
         assert not all(same)
         assert all(torch.allclose(g, got[0], atol=1e-3, rtol=1e-4) for g in got[1:])
+
+
+# ---- the GPU path's kernels in the engine, interpreted on the CPU --------------------------------------------------
+interpreted = pytest.mark.skipif(not interpreter_active(), reason="run by the TRITON_INTERPRET=1 subprocess")
+KERNEL_BASE = ["model=tiny_llama", "model.arch.vocab_size=512", "compile=eager",
+               "attention=triton", "model.deterministic=true", "scheduler.max_context=96",
+               "scheduler.max_running_requests=3"]
+KERNEL_SPECS = {"none": ["kv.page_size=1"], "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"],
+                "layer_skip": ["speculative=layer_skip", "speculative.num_steps=2", "speculative.exit_layer=1",
+                               "kv.page_size=4"]}
+# repeated patterns, so that n-gram drafts and verifies; the last prompt shares the first one's start (prefix cache)
+KERNEL_PROMPTS = [[7, 8, 9, 10, 11] * 5, [300, 301, 302] * 6 + [5], [7, 8, 9, 10, 11] * 3 + [40, 41, 42, 43] * 3]
+KERNEL_TOKENS = 6
+
+
+@functools.cache
+def kernel_engine(spec: str) -> LLM:
+    return LLM(KERNEL_BASE + KERNEL_SPECS[spec])
+
+
+def kernel_outputs(spec: str, batch: int) -> list[list[int]]:
+    engine = kernel_engine(spec).engine
+    engine.scheduler.cfg.max_running_requests = batch
+    reqs = run_token_prompts(engine, KERNEL_PROMPTS, max_tokens=KERNEL_TOKENS)
+    engine.allocator.assert_all_free()
+    return [r.output_ids for r in reqs]
+
+
+@interpreted
+def test_interpreted_kernels_identical_across_speculation_batch_and_pages() -> None:
+    """Batch 1 and 3, page sizes 1, 4 and 16, no speculation, n-gram (chains verified: several rows a request) and
+    layer_skip: the same greedy tokens from the kernels that a CUDA GPU runs (fp32 here)."""
+    ref = kernel_outputs("none", 3)
+    assert all(len(ids) == KERNEL_TOKENS for ids in ref)
+    for spec, batch in [("ngram", 1), ("layer_skip", 3)]:
+        assert kernel_outputs(spec, batch) == ref, (spec, batch)
+    for spec in ("ngram", "layer_skip"):
+        assert kernel_engine(spec).engine.spec_worker.stats.num_verify_steps > 0, spec
+
+
+@interpreted
+def test_interpreted_kernels_token_logits_same_bits() -> None:
+    """The kernels a CUDA GPU runs give a token's logits the same bits from a decode step alone or in a batch, a
+    verify row, a prefill row and a prefill over cached tokens."""
+    llm = LLM(KERNEL_BASE[:-2] + ["scheduler.max_context=256", "scheduler.max_running_requests=8"])
+    got = last_token_logits(llm.engine, vocab=512)
+    assert all(torch.equal(g, got[0]) for g in got[1:]), [torch.equal(g, got[0]) for g in got[1:]]
+
+
+@pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(), reason="interpreted tests run in this process")
+def test_interpreted_kernels_in_a_subprocess() -> None:
+    run_interpreted(__file__, "-k", "interpreted_kernels_identical or interpreted_kernels_token", timeout=900)
