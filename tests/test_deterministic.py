@@ -152,7 +152,8 @@ interpreted = pytest.mark.skipif(not interpreter_active(), reason="run by the TR
 KERNEL_BASE = ["model=tiny_llama", "model.arch.vocab_size=512", "compile=eager",
                "attention=triton", "model.deterministic=true", "scheduler.max_context=96",
                "scheduler.max_running_requests=3"]
-KERNEL_SPECS = {"none": ["kv.page_size=1"], "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"],
+KERNEL_SPECS = {"none": ["kv.page_size=1"],
+                "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"],
                 "layer_skip": ["speculative=layer_skip", "speculative.num_steps=2", "speculative.exit_layer=1",
                                "kv.page_size=4"]}
 # repeated patterns, so that n-gram drafts and verifies; the last prompt shares the first one's start (prefix cache)

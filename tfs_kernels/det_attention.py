@@ -191,7 +191,8 @@ def det_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dev = "cuda" if q.is_cuda else "cpu"
     block_n = BLOCK_N[dev]
     torch._check(split % block_n == 0, lambda: f"det_attention: split {split} is not a multiple of {block_n}")
-    torch._check(not pdl or (HAS_GDC and q.is_cuda), lambda: "det_attention: pdl needs CUDA and grid dependency control")
+    torch._check(not pdl or (HAS_GDC and q.is_cuda),
+                 lambda: "det_attention: pdl needs CUDA and grid dependency control")
     launch_pdl = {"launch_pdl": True} if pdl else {}
     ragged = q_starts is not None
     has_mask = custom_mask is not None

@@ -10,7 +10,8 @@
 - TARGET_VERIFY / DRAFT_EXTEND_V2 / DRAFT_DECODE: ``tfs::verify_attention``, the same split-K kernel with ``q_len``
   tokens per request and ``batch.custom_mask`` over the last ``mask_width`` keys (causal when there is none);
 - model.deterministic: every mode through ``tfs::det_attention`` (a token's keys split by a length that depends on
-  its position only, one token per program), so that a token's output is the same bits in a decode, a verify and a prefill.
+  its position only, one token per program), so that a token's output is the same bits in a decode, a verify and a
+  prefill.
 
 The kernels read slots straight from the allocator's ``req_to_token`` table, so the metadata is the batch's own
 tensors plus that table: no per-step gather, no host-computed width, nothing read back from the device. Its shapes

@@ -164,8 +164,8 @@ class DecoderLayer(nn.Module):
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
         ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py; also ``tfs::det_matmul``'s in
-        deterministic mode). Tensor-parallel: o_proj's and
-        down_proj's partial products are all-reduced before the residual add (not fused into their gemv)."""
+        deterministic mode). Tensor-parallel: o_proj's and down_proj's partial products are all-reduced before the
+        residual add (not fused into their gemv)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
             tp = mlp.tp
