@@ -4,7 +4,8 @@ and SDPA block their sums by the row count); the real SmolLM2's greedy output is
 {no speculation, ngram, layer_skip} x {batch 1, 8}; the switch's configuration errors; and the default mode keeps
 its own kernels. The GPU path's kernels (``tfs::det_matmul``, ``tfs::det_attention``, ``tfs::det_rmsnorm`` with
 ``attention=triton``) are also run in the engine by the Triton interpreter, in a ``TRITON_INTERPRET=1`` subprocess:
-a small random model's greedy output is the same across speculation, batch sizes and page sizes there too.
+a token's logits have the same bits from every kind of forward, and a small random model's greedy output is the
+same with and without n-gram speculation, at other batch and page sizes.
 
 One engine per drafter serves both batch sizes (the scheduler's running limit is set per run), so the second run
 also prefills over the first run's cached prompts. The kernels' row invariance itself is in
@@ -153,9 +154,7 @@ KERNEL_BASE = ["model=tiny_llama", "model.arch.vocab_size=512", "compile=eager",
                "attention=triton", "model.deterministic=true", "scheduler.max_context=96",
                "scheduler.max_running_requests=3"]
 KERNEL_SPECS = {"none": ["kv.page_size=1"],
-                "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"],
-                "layer_skip": ["speculative=layer_skip", "speculative.num_steps=2", "speculative.exit_layer=1",
-                               "kv.page_size=4"]}
+                "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"]}
 # repeated patterns, so that n-gram drafts and verifies; the last prompt shares the first one's start (prefix cache)
 KERNEL_PROMPTS = [[7, 8, 9, 10, 11] * 5, [300, 301, 302] * 6 + [5], [7, 8, 9, 10, 11] * 3 + [40, 41, 42, 43] * 3]
 KERNEL_TOKENS = 6
@@ -176,14 +175,13 @@ def kernel_outputs(spec: str, batch: int) -> list[list[int]]:
 
 @interpreted
 def test_interpreted_kernels_identical_across_speculation_batch_and_pages() -> None:
-    """Batch 1 and 3, page sizes 1, 4 and 16, no speculation, n-gram (chains verified: several rows a request) and
-    layer_skip: the same greedy tokens from the kernels that a CUDA GPU runs (fp32 here)."""
+    """No speculation at batch 3 and page size 1 against n-gram (chains verified: several rows a request; v2) at
+    batch 1 and page size 16: the same greedy tokens from the kernels that a CUDA GPU runs (fp32 here). (layer_skip's
+    draft forwards run these kernels over fewer layers; its output is checked with the references above.)"""
     ref = kernel_outputs("none", 3)
     assert all(len(ids) == KERNEL_TOKENS for ids in ref)
-    for spec, batch in [("ngram", 1), ("layer_skip", 3)]:
-        assert kernel_outputs(spec, batch) == ref, (spec, batch)
-    for spec in ("ngram", "layer_skip"):
-        assert kernel_engine(spec).engine.spec_worker.stats.num_verify_steps > 0, spec
+    assert kernel_outputs("ngram", 1) == ref
+    assert kernel_engine("ngram").engine.spec_worker.stats.num_verify_steps > 0
 
 
 @interpreted
