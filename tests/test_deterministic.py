@@ -150,9 +150,9 @@ def test_token_logits_same_bits_from_every_forward(deterministic: bool) -> None:
 
 # ---- the GPU path's kernels in the engine, interpreted on the CPU --------------------------------------------------
 interpreted = pytest.mark.skipif(not interpreter_active(), reason="run by the TRITON_INTERPRET=1 subprocess")
-KERNEL_BASE = ["model=tiny_llama", "model.arch.vocab_size=512", "compile=eager",
-               "attention=triton", "model.deterministic=true", "scheduler.max_context=96",
-               "scheduler.max_running_requests=3"]
+KERNEL_MODEL = ["model=tiny_llama", "model.arch.vocab_size=512", "compile=eager", "attention=triton",
+                "model.deterministic=true"]
+KERNEL_BASE = KERNEL_MODEL + ["scheduler.max_context=96", "scheduler.max_running_requests=3"]
 KERNEL_SPECS = {"none": ["kv.page_size=1"],
                 "ngram": ["speculative=ngram", "speculative.num_steps=3", "kv.page_size=16"]}
 # repeated patterns, so that n-gram drafts and verifies; the last prompt shares the first one's start (prefix cache)
@@ -188,7 +188,7 @@ def test_interpreted_kernels_identical_across_speculation_batch_and_pages() -> N
 def test_interpreted_kernels_token_logits_same_bits() -> None:
     """The kernels a CUDA GPU runs give a token's logits the same bits from a decode step alone or in a batch, a
     verify row, a prefill row and a prefill over cached tokens."""
-    llm = LLM(KERNEL_BASE[:-2] + ["scheduler.max_context=256", "scheduler.max_running_requests=8"])
+    llm = LLM(KERNEL_MODEL + ["scheduler.max_context=256", "scheduler.max_running_requests=8"])
     got = last_token_logits(llm.engine, vocab=512)
     assert all(torch.equal(g, got[0]) for g in got[1:]), [torch.equal(g, got[0]) for g in got[1:]]
 
