@@ -40,15 +40,15 @@ from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l
 # weight's shape only (never on M) is batch-invariant: CUDA_TILES holds one per shape class of
 # tfs_kernels.gemv.launch_class, the best mean over 1 and 8 rows on Llama-3-8B's linears in `python3
 # bench/tune_det_matmul.py --models llama3_8b --rows 1 8 --block-n 64 128 --block-k 128 256 --stages 3 4 --swap 1
-# --split-k 1 2 4 8` (H100, 2026-12-06, docs/PERFORMANCE.md; x the default mode's time: tfs::gemv at 1 row, cuBLAS at
-# 8); a class without an entry takes CUDA_TILE.
+# --split-k 1 2 4 8` (H100, 2026-12-06, docs/PERFORMANCE.md; the ratios below: x the default mode's time, tfs::gemv at
+# 1 row, cuBLAS at 8, re-measured with LATE_NORM by `--tiles` at 3004919); a class without an entry takes CUDA_TILE.
 CUDA_TILE = (16, 32, 256, 4, 4)
 CUDA_TILES: dict[str, tuple] = {
-    "wide": (16, 64, 256, 4, 4, True, 1),  # qkv [6144, 4096]: 1.33x at 1 row, 0.62x at 8
-    "square": (16, 64, 256, 4, 4, True, 1),  # o [4096, 4096]: 1.06x / 0.79x
-    "very_wide": (16, 128, 256, 4, 3, True, 1),  # gate_up [28672, 4096]: 1.18x / 0.88x
+    "wide": (16, 64, 256, 4, 4, True, 1),  # qkv [6144, 4096]: 1.06x at 1 row, 0.49x at 8 (with LATE_NORM)
+    "square": (16, 64, 256, 4, 4, True, 1),  # o [4096, 4096]: 1.06x / 0.78x
+    "very_wide": (16, 128, 256, 4, 3, True, 1),  # gate_up [28672, 4096]: 1.04x / 0.80x (with LATE_NORM)
     "tall": (16, 128, 128, 4, 4, True, 4),  # down [4096, 14336]: 1.09x / 0.85x
-    "vocab": (16, 64, 256, 4, 4, True, 1),  # lm_head [128256, 4096]: 0.89x / 0.93x
+    "vocab": (16, 64, 256, 4, 4, True, 1),  # lm_head [128256, 4096]: 0.84x / 0.92x
 }
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
