@@ -404,9 +404,10 @@ def test_spec_mean_accept_length_is_accepted_per_verify_step():
 
 
 # ---- the command line ---------------------------------------------------------------------------------------
-def test_run_server_from_the_command_line():
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_run_server_from_the_command_line(engine_process):
     cmd = [sys.executable, str(CONF_DIR.parent / "train_free_serve.py"), "run=server", "model=tiny_llama",
-           "compile=eager"]
+           "compile=eager", f"run.engine_process={engine_process}"]
     proc = subprocess.Popen(cmd + ["run.port=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = "-"

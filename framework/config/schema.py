@@ -194,6 +194,8 @@ class RunConfig:
     port: int = 8000
     api_key: Optional[str] = None  # when set, requests need "Authorization: Bearer <api_key>"
     served_model_name: Optional[str] = None  # the model id in /v1/models (default: model.name)
+    # auto | on | off: the engine loop in a process of its own, apart from the HTTP side (auto: on for CUDA)
+    engine_process: str = "auto"
 
 
 @dataclass

@@ -4,8 +4,10 @@ HTTP handlers (on the asyncio event loop) validate and tokenize a request on a t
 (:meth:`EngineLoop.prepare`), so a long prompt never holds up the engine, then put commands on a thread-safe
 queue: submit a prepared request, abort one. The loop thread takes all queued commands, runs one
 ``engine.step()`` (continuous batching across HTTP requests), and hands each live request's news (text deltas,
-the finish, errors) back to its ``asyncio.Queue`` with ``call_soon_threadsafe``: one call per event loop per
-iteration. With no work it blocks on the queue.
+the finish, errors) to the request's :class:`Sink`, one call per sink per iteration: in this process, an
+:class:`AsyncioSink` puts them on the handler's ``asyncio.Queue`` with ``call_soon_threadsafe``; in an engine
+process (framework/server/engine_process.py), a sink sends them down a pipe to the HTTP process. With no work it
+blocks on the queue.
 
 NOTE: the Engine is constructed inside the loop thread: torch.compile's CUDA-graph trees are thread-local, and
 the warm-up compilation happens in ``Engine.__init__``. Nothing outside this thread touches the engine's state
@@ -19,18 +21,22 @@ import collections
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from framework.parallel import TensorParallelError
 from framework.request import Request
-from framework.sampling import RequestError
 from framework.server.metrics import ServerMetrics
-from framework.server.protocol import APIError, ParsedRequest, param_of
+from framework.server.protocol import APIError, ParsedRequest, prepare_request
 from framework.server.stream import TextDeltas
 
 log = logging.getLogger(__name__)
+
+# the load gauges (queue depth, running requests, KV usage, prefix-cache totals) are set at most this often while the
+# engine works: a scrape every few seconds needs no more, and setting them every step costs the engine thread time
+LOAD_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -55,13 +61,33 @@ class AbortRecord:
     num_output_tokens: int
 
 
+class Sink(Protocol):
+    """Where a request's events go: ``deliver`` gets one iteration's (target, event) pairs of the requests that
+    share this sink, in order (called on the engine thread)."""
+
+    def deliver(self, items: list[tuple[Any, Event]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class AsyncioSink:
+    """Events of requests whose handlers run on ``aloop``: each target is the handler's ``asyncio.Queue``."""
+
+    aloop: asyncio.AbstractEventLoop
+
+    def deliver(self, items: list[tuple[Any, Event]]) -> None:
+        try:
+            self.aloop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # that event loop is closed: its clients are gone
+            log.warning("dropping %d events for a closed event loop", len(items))
+
+
 @dataclass
 class _Submission:
     rid: str
     parsed: ParsedRequest
     request: Request
-    events: asyncio.Queue
-    aloop: asyncio.AbstractEventLoop
+    target: Any  # what the sink addresses this request's events to
+    sink: Sink
 
 
 @dataclass
@@ -74,10 +100,10 @@ class _Live:
 
 @dataclass
 class _Outbox:
-    items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = field(default_factory=dict)
+    items: dict[Sink, list[tuple[Any, Event]]] = field(default_factory=dict)
 
     def add(self, sub: _Submission, event: Event) -> None:
-        self.items.setdefault(sub.aloop, []).append((sub.events, event))
+        self.items.setdefault(sub.sink, []).append((sub.target, event))
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
@@ -98,6 +124,7 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}
         self._outbox = _Outbox()
         self._ready = threading.Event()
+        self._load_updated = 0.0
         self._dead = False
         self._startup_error: Optional[BaseException] = None
         # an error that took the engine down (a tensor-parallel rank died): the loop ends and on_fatal is called
@@ -137,30 +164,20 @@ class EngineLoop:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self._prepare, rid, parsed)
 
     def _prepare(self, rid: str, parsed: ParsedRequest) -> Request:
-        engine = self.engine
-        try:
-            req = engine.make_request(parsed.item, rid=rid)
-        except RequestError as err:
-            raise APIError(str(err), param=param_of(str(err), parsed.prompt_field)) from None
-        except Exception as err:  # noqa: BLE001 - e.g. a chat template that refuses the messages
-            log.exception("could not prepare request %s", rid)
-            raise APIError(f"could not prepare the request: {err}", param=parsed.prompt_field) from None
-        limit, num_prompt = parsed.max_tokens, len(req.prompt_ids)
-        if limit is not None and num_prompt + limit > engine.max_context:
-            name = parsed.max_tokens_field
-            raise APIError(f"{name}={limit} is too large: the prompt has {num_prompt} tokens and the context "
-                           f"window is {engine.max_context} tokens, so {name} can be at most "
-                           f"{engine.max_context - num_prompt}", param=name)
-        return req
+        return prepare_request(self.engine.make_request, self.engine.max_context, rid, parsed)
 
     def submit(self, rid: str, parsed: ParsedRequest, request: Request) -> asyncio.Queue:
         """Queue a prepared request; its events arrive on the returned queue, the first being "accepted" or
         "error"."""
         events: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("submit", _Submission(rid, parsed, request, events, asyncio.get_running_loop())))
+        self.enqueue(rid, parsed, request, events, AsyncioSink(asyncio.get_running_loop()))
+        return events
+
+    def enqueue(self, rid: str, parsed: ParsedRequest, request: Request, target: Any, sink: Sink) -> None:
+        """Queue a prepared request whose events go to ``sink`` addressed to ``target`` (any thread)."""
+        self._commands.put(("submit", _Submission(rid, parsed, request, target, sink)))
         if self._dead:  # NOTE: set before the loop's last drain, so a command put after that drain is seen here
             raise APIError("the engine loop is not running", status=503, type="server_error")
-        return events
 
     def abort(self, rid: str) -> None:
         """Abort a request whose client went away; its KV is freed before the next engine step."""
@@ -280,13 +297,15 @@ class EngineLoop:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, _Outbox()
-        for aloop, items in outbox.items.items():
-            try:
-                aloop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that event loop is closed: its clients are gone
-                log.warning("dropping %d events for a closed event loop", len(items))
+        for sink, items in outbox.items.items():
+            sink.deliver(items)
 
     def _update_load(self) -> None:
+        """The load gauges, at most every ``LOAD_INTERVAL_S`` while the engine works and whenever it goes idle."""
+        now = time.monotonic()
+        if self.engine.has_work() and now - self._load_updated < LOAD_INTERVAL_S:
+            return
+        self._load_updated = now
         scheduler, allocator = self.engine.scheduler, self.engine.allocator
         total = allocator.num_pages * allocator.page_size
         self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),

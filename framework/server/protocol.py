@@ -2,17 +2,20 @@
 
 Everything here runs on the HTTP side and needs no engine: sampling fields are checked with the same
 :class:`~framework.sampling.SamplingParams` validation that ``Engine.make_request`` applies (so the messages are
-the same), and the checks that need the tokenized prompt (context window) happen in the engine loop.
+the same), and the checks that need the tokenized prompt (context window) run in :func:`prepare_request`, on the server's
+tokenizer thread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from framework.config import SamplingConfig
+from framework.request import Request
 from framework.sampling import RequestError, SamplingParams
 
 
@@ -186,3 +189,23 @@ def _json_type(value: Any) -> str:
     if isinstance(value, str):
         return "a string"
     return "a list" if isinstance(value, list) else "an object"
+
+
+def prepare_request(make_request: Callable[..., Request], max_context: int, rid: str,
+                    parsed: ParsedRequest) -> Request:
+    """Tokenize and validate ``parsed`` with ``make_request`` (``Engine.make_request``'s signature); raises
+    :class:`APIError` (400) naming the bad field."""
+    try:
+        req = make_request(parsed.item, rid=rid)
+    except RequestError as err:
+        raise APIError(str(err), param=param_of(str(err), parsed.prompt_field)) from None
+    except Exception as err:  # noqa: BLE001 - e.g. a chat template that refuses the messages
+        logging.getLogger(__name__).exception("could not prepare request %s", rid)
+        raise APIError(f"could not prepare the request: {err}", param=parsed.prompt_field) from None
+    limit, num_prompt = parsed.max_tokens, len(req.prompt_ids)
+    if limit is not None and num_prompt + limit > max_context:
+        name = parsed.max_tokens_field
+        raise APIError(f"{name}={limit} is too large: the prompt has {num_prompt} tokens and the context "
+                       f"window is {max_context} tokens, so {name} can be at most {max_context - num_prompt}",
+                       param=name)
+    return req

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from framework.config import Config, ConfigError
 from framework.server.app import create_app
+from framework.server.engine_process import EngineProcess
 from framework.server.loop import EngineLoop
 
 
@@ -34,11 +35,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build(config: Config, build_engine: Optional[Callable[[], Any]] = None) -> tuple[Any, EngineLoop]:
-    """Start the engine loop (building the engine in its thread) and return (app, loop)."""
+def use_engine_process(config: Config) -> bool:
+    """``run.engine_process``: auto is on where the model runs on CUDA (where the engine's host work is the step's
+    critical path, and the HTTP side's per-token work must not share its GIL)."""
+    setting = config.run.engine_process
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"run.engine_process={setting!r} is not allowed; expected auto, on or off")
+    if setting == "auto":
+        import torch
+
+        return config.model.device in ("auto", "cuda") and torch.cuda.is_available()
+    return setting == "on"
+
+
+def build(config: Config, build_engine: Optional[Callable[[], Any]] = None) -> tuple[Any, Any]:
+    """Start the engine loop (building the engine in its thread, or in its own process: ``run.engine_process``)
+    and return (app, loop)."""
     from framework.engine import Engine
 
-    loop = EngineLoop(build_engine or (lambda: Engine(config)))
+    loop: Any
+    if build_engine is None and use_engine_process(config):
+        loop = EngineProcess(config)
+    else:
+        loop = EngineLoop(build_engine or (lambda: Engine(config)))
     loop.start()
     run = config.run
     app = create_app(loop, run.served_model_name or config.model.name, config.sampling, run.api_key)
@@ -97,7 +116,7 @@ class ServerThread:
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.loop: Optional[EngineLoop] = None
+        self.loop: Any = None  # an EngineLoop, or an EngineProcess with run.engine_process
         self._server: Any = None
         self._thread: Optional[threading.Thread] = None
 

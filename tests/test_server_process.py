@@ -1,0 +1,139 @@
+"""The server with its engine loop in a process of its own (``run.engine_process=on``; auto turns it on for CUDA):
+the same answers as offline generation, streamed or not; requests refused on the HTTP side; a client that leaves
+mid-stream aborts its request in the engine process and frees its KV; metrics rendered there; a start-up error
+raised here with its own message; and an engine process that dies fails its live requests instead of hanging them."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from framework.config import ConfigError, compose
+from framework.server import ServerThread
+from framework.server.engine_process import EngineProcess
+from tests.conftest import TINY
+from tests.test_server import CHAT, PROMPT, _stop_across_tokens
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = compose(TINY + ["run=server", "run.engine_process=on", "scheduler.max_running_requests=8",
+                             "scheduler.max_context=4096", "scheduler.overlap=on", f"run.served_model_name={MODEL}"])
+    with ServerThread(config) as srv:
+        assert isinstance(srv.loop, EngineProcess)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    """Unlabelled samples, plus requests by finish reason as ``requests_<reason>``."""
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels:
+                out[s.name] = s.value
+            elif s.name == "tfs_requests_total":
+                out["requests_" + s.labels["finish_reason"]] = s.value
+            elif s.name == "tfs_rejected_requests_total":
+                out["rejected_" + s.labels["status"]] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["tfs_running_requests"] == 0 and m["tfs_queue_depth"] == 0:
+            return m
+        assert time.monotonic() < deadline, "the engine still has work"
+        time.sleep(0.05)
+
+
+def test_answers_equal_offline(client, tiny_llm):
+    ref = tiny_llm.generate([{"prompt": PROMPT, "max_tokens": 12}, {"messages": CHAT, "max_tokens": 10}])
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
+    assert out.choices[0].text == ref[0].text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref[0].num_prompt_tokens, 12)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10)
+    assert chat.choices[0].message.content == ref[1].text
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref[1].text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_string_while_streaming(client, tiny_llm):
+    stop, expected = _stop_across_tokens(tiny_llm, PROMPT)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_bad_request_is_refused_here_and_counted_there(server, client):
+    before = metrics(server).get("rejected_400", 0)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "context window is 4096 tokens" in r.json()["error"]["message"]
+    assert metrics(server)["rejected_400"] == before + 1
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_client_leaving_mid_stream_aborts_and_frees_kv(server):
+    before = wait_idle(server).get("requests_abort", 0)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
+        for n, line in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+            if n == 3:
+                break
+    after = wait_idle(server)  # the engine process hears of the abort and frees the request's KV
+    assert after["requests_abort"] == before + 1
+    assert after["tfs_kv_usage_ratio"] == 0.0
+
+
+def test_config_error_in_the_engine_process_is_raised_here():
+    config = compose(TINY + ["run=server", "run.engine_process=on", "model.deterministic=true", "attention=flex"])
+    srv = ServerThread(config)
+    try:
+        with pytest.raises(ConfigError, match="attention=flex has no batch-invariant mode"):
+            srv.start()
+    finally:
+        srv.sock.close()
+
+
+def test_bad_engine_process_value_names_it():
+    config = compose(TINY + ["run=server", "run.engine_process=sometimes"])
+    srv = ServerThread(config)
+    try:
+        with pytest.raises(ConfigError, match="run.engine_process='sometimes' is not allowed; expected auto, on or "
+                                              "off"):
+            srv.start()
+    finally:
+        srv.sock.close()
+
+
+def test_a_dead_engine_process_fails_live_requests(server):
+    """Last in the module: it kills the engine process."""
+    fatal = []
+    server.loop.on_fatal = fatal.append
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.loop._proc.kill()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert '"server_error"' in rest[-2] and rest[-1] == "data: [DONE]"
+    assert len(fatal) == 1 and "exited with code" in str(fatal[0])
+    assert httpx.get(server.url + "/health").status_code == 503
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 503
