@@ -5,7 +5,8 @@
 
 Starts ``train_free_serve.py run=server run.port=0 <overrides>`` in a subprocess (or uses ``--url`` of a running
 server), sends a few warm-up requests, then runs ``--clients`` concurrent clients (the official ``openai`` async
-client), each sending ``--requests`` requests one after another: completions and chat, every other one streamed,
+client), each sending ``--requests`` requests one after another: completions and chat, every other one streamed
+(``--stream all`` / ``none``: every one, or none),
 ``max_tokens`` each with ``ignore_eos`` so every request generates exactly that many tokens. Prints requests/s,
 generated tokens/s (completion tokens over the wall time from the first request to the last answer) and latency
 percentiles; ``--json PATH`` also writes them. ``--offline`` also runs the same requests through ``LLM.generate``
@@ -70,11 +71,17 @@ async def one_request(client: openai.AsyncOpenAI, model: str, i: int, stream: bo
     return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
 
 
-async def run_load(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
+def streamed(stream: str, c: int, j: int) -> bool:
+    """Whether client ``c``'s ``j``-th request streams: ``mixed`` every other one, ``all`` or ``none``."""
+    return stream == "all" or (stream == "mixed" and (c + j) % 2 == 1)
+
+
+async def run_load(url: str, model: str, clients: int, per_client: int, max_tokens: int,
+                   stream: str = "mixed") -> dict[str, Any]:
     async def one_client(c: int) -> list[dict[str, Any]]:
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none"),
                                       max_retries=0, timeout=600) as client:
-            return [await one_request(client, model, c * per_client + j, (c + j) % 2 == 1, max_tokens)
+            return [await one_request(client, model, c * per_client + j, streamed(stream, c, j), max_tokens)
                     for j in range(per_client)]
 
     t0 = time.perf_counter()
@@ -118,6 +125,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--stream", choices=["mixed", "all", "none"], default="mixed",
+                        help="which requests stream: every other one (mixed), all or none")
     parser.add_argument("--url", help="a running server (default: start one with the overrides)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--offline", action="store_true",
@@ -132,7 +141,7 @@ def main() -> None:
         model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none")).models.list()
         model_id = model.data[0].id
         asyncio.run(run_load(url, model_id, 4, 1, 4))  # warm-up
-        result = asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens))
+        result = asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens, args.stream))
     finally:
         if proc is not None:
             proc.terminate()
