@@ -32,8 +32,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server():
     """NOTE: with the overlapped loop (as on a GPU), against offline references without it (``tiny_llm``)."""
-    config = compose(TINY + ["run=server", "scheduler.max_running_requests=8", "scheduler.max_context=1024",
-                             "scheduler.overlap=on",
+    config = compose(TINY + ["run=server", "run.engine_process=off", "scheduler.max_running_requests=8",
+                             "scheduler.max_context=1024", "scheduler.overlap=on",
                              f"run.api_key={KEY}", f"run.served_model_name={MODEL}"])
     with ServerThread(config) as srv:
         yield srv
@@ -433,7 +433,7 @@ def test_run_server_from_the_command_line(engine_process):
 def test_ngram_speculation_behind_the_server(tiny_llm):
     prompt = "one two three four five one two three four five one two three"
     ref = tiny_llm.generate([{"prompt": prompt, "max_tokens": 24}])[0]
-    config = compose(TINY + ["run=server", "speculative=ngram", "scheduler.max_context=256"])
+    config = compose(TINY + ["run=server", "run.engine_process=off", "speculative=ngram", "scheduler.max_context=256"])
     with ServerThread(config) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
         out = client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=24)
@@ -452,8 +452,9 @@ def test_ngram_speculation_behind_the_server(tiny_llm):
 
 def test_speculation_v2_serves_the_offline_text(tiny_llm):
     """The server over the v2 iteration (n-gram, overlapped): completions and streams carry plain decoding's text."""
-    config = compose(TINY + ["run=server", "scheduler.max_running_requests=4", "scheduler.max_context=1024",
-                             "scheduler.overlap=on", "speculative=ngram", "speculative.num_steps=4",
+    config = compose(TINY + ["run=server", "run.engine_process=off", "scheduler.max_running_requests=4",
+                             "scheduler.max_context=1024", "scheduler.overlap=on", "speculative=ngram",
+                             "speculative.num_steps=4",
                              f"run.api_key={KEY}", f"run.served_model_name={MODEL}"])
     prompts = [PROMPT, "1, 2, 3, 1, 2, 3, 1, 2,"]
     refs = tiny_llm.generate([{"prompt": p, "max_tokens": 24} for p in prompts])

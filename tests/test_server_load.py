@@ -70,8 +70,8 @@ POOLS = {"roomy": [], "small_kv": ["kv.max_total_tokens=768"]}
 
 @pytest.fixture(scope="module", params=list(POOLS))
 def server(request):
-    config = compose(TINY + ["run=server", "scheduler.max_running_requests=64", "scheduler.max_context=256",
-                             *POOLS[request.param]])
+    config = compose(TINY + ["run=server", "run.engine_process=off", "scheduler.max_running_requests=64",
+                             "scheduler.max_context=256", *POOLS[request.param]])
     with ServerThread(config) as srv:
         srv.pool = request.param
         yield srv

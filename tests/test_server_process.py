@@ -133,6 +133,10 @@ def test_a_dead_engine_process_fails_live_requests(server):
         server.loop._proc.kill()
         rest = [line for line in lines if line.startswith("data: ")]
     assert '"server_error"' in rest[-2] and rest[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while not fatal:  # (called after the live requests' errors went out)
+        assert time.monotonic() < deadline, "on_fatal was not called"
+        time.sleep(0.01)
     assert len(fatal) == 1 and "exited with code" in str(fatal[0])
     assert httpx.get(server.url + "/health").status_code == 503
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)

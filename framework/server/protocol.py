@@ -2,8 +2,8 @@
 
 Everything here runs on the HTTP side and needs no engine: sampling fields are checked with the same
 :class:`~framework.sampling.SamplingParams` validation that ``Engine.make_request`` applies (so the messages are
-the same), and the checks that need the tokenized prompt (context window) run in :func:`prepare_request`, on the server's
-tokenizer thread.
+the same), and the checks that need the tokenized prompt (context window) run in :func:`prepare_request`, on the
+server's tokenizer thread.
 """
 
 from __future__ import annotations
