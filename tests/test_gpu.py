@@ -65,6 +65,28 @@ def test_compiled_bf16_decode_agrees_with_eager():
         assert same >= 8, (eager, compiled)
 
 
+def test_several_row_forwards_through_det_matmul_agree_with_cublas(monkeypatch):
+    """``DET_MAX_ROWS`` (framework/models/llama.py): a compiled batch of 4 decodes through tfs::det_matmul's fused
+    layer instead of cuBLAS and inductor's kernels, and gives the same greedy tokens for most of each request (bf16
+    kernels differ, so allow a late divergence)."""
+    import framework.models.llama as llama
+
+    prompts = [{"prompt": p, "max_tokens": 32, "ignore_eos": True} for p in
+               ["The history of the city begins", "def main():", "1, 2, 3,", "Dear Sir or Madam,"]]
+    base = cuda_overrides("model=smollm2_135m_random", "compile=reduce_overhead", "scheduler.max_running_requests=4",
+                          "compile.batch_sizes=[4]")
+    outs, calls = {}, []
+    real = llama.det_matmul
+    for rows in (0, 8):
+        monkeypatch.setattr(llama, "DET_MAX_ROWS", rows)
+        monkeypatch.setattr(llama, "det_matmul", lambda *a, **k: (calls.append(rows), real(*a, **k))[1])
+        outs[rows] = [o.token_ids for o in LLM(base).generate(prompts)]
+    assert 8 in calls and 0 not in calls  # the several-row path traced det_matmul only when asked to
+    for cublas, det in zip(outs[0], outs[8]):
+        same = next((i for i, (a, b) in enumerate(zip(cublas, det)) if a != b), len(cublas))
+        assert same >= 8, (cublas, det)
+
+
 @pytest.mark.parametrize("spec", [["speculative=ngram"], ["speculative=layer_skip", "speculative.exit_layer=1"],
                                   ["speculative=eagle", "speculative.topk=4", "speculative.num_draft_tokens=8"],
                                   ["speculative=draft_model", "speculative.draft_model=tiny_llama"]])

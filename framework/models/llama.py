@@ -33,6 +33,12 @@ FUSED_LM_HEAD = True
 # a batch-8 decode forward 19.0 ms on it against 4.0 ms at batch 1 and 6.2 ms at batch 64 on cuBLAS), so more rows
 # go to cuBLAS and inductor's kernels
 FUSED_MAX_ROWS = 1
+# Compiled uniform forwards of 2 to this many token rows on CUDA (a small batch's decode, a batch-1 verify) run each
+# layer as the deterministic mode's four tfs::det_matmul launches (tensor-core tiles per weight-shape class, the
+# norms, residual adds and SiLU-mul folded in) and the LM head through it too, while attention stays the backend's
+# default kernels: an experiment for the latency-bound few-row forwards (cuBLAS plus inductor's elementwise kernels:
+# 305 kernels for SmolLM2 at batch 8); 0: off. Not batch-invariant (one row still takes tfs::gemv).
+DET_MAX_ROWS = 0
 
 
 @dataclass
@@ -160,12 +166,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: Any, fused: bool = False, pdl: bool = False,
+                det: bool = False) -> torch.Tensor:
         """``fused``: run the four linears as ``tfs::gemv`` with the norms, SiLU-mul and residual adds folded in
         (a decode-sized batch on the GPU: 4 weight-streaming kernels instead of cuBLAS plus 5 elementwise ones);
-        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py; also ``tfs::det_matmul``'s in
-        deterministic mode). Tensor-parallel: o_proj's and down_proj's partial products are all-reduced before the
-        residual add (not fused into their gemv)."""
+        ``det``: the same folds as ``tfs::det_matmul`` (deterministic mode, or ``DET_MAX_ROWS``; one process);
+        ``pdl``: their programmatic-dependent-launch variant (tfs_kernels/pdl.py). Tensor-parallel: o_proj's and
+        down_proj's partial products are all-reduced before the residual add (not fused into their gemv)."""
         if fused:
             attn, mlp = self.self_attn, self.mlp
             tp = mlp.tp
@@ -184,7 +191,7 @@ class DecoderLayer(nn.Module):
             if tp is None:
                 return gemv(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
             return x + all_reduce(gemv(h, mlp.down_proj.weight, silu_mul=True, pdl=pdl), tp)
-        if self.mlp.deterministic:  # model.deterministic: the norms, residual adds and SiLU-mul in tfs::det_matmul
+        if det or self.mlp.deterministic:  # the norms, residual adds and SiLU-mul in tfs::det_matmul
             attn, mlp = self.self_attn, self.mlp
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
             qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
@@ -288,7 +295,10 @@ class LlamaForCausalLM(nn.Module):
         # and only in uniform batches (a compiled prefill's metadata says it is not one)
         fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
                  and x.shape[0] <= min(FUSED_MAX_ROWS, GEMV_MAX_ROWS))
-        x = run_layers(layers, x, rope, meta, fused, (fused or self.deterministic) and self.pdl, self.regional)
+        det_rows = (not fused and not self.deterministic and tp is None and x.is_cuda and torch.compiler.is_compiling()
+                    and getattr(meta, "uniform", True) and 1 < x.shape[0] <= DET_MAX_ROWS)
+        det = self.deterministic or det_rows
+        x = run_layers(layers, x, rope, meta, fused, (fused or det) and self.pdl, self.regional, det)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
             # batches that run fused are uniform, where logits_index selects every token in order (ModelRunner)
             torch._check(logits_index.shape[0] == x.shape[0], lambda: "fused lm_head: logits of every row only")
@@ -296,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
             return (logits, hidden) if tp is None else (gather_vocab(logits, tp), hidden)
         hidden = self.norm(x)  # [n, hidden]
         rows = hidden[logits_index]  # [m <= n, hidden]
-        if self.deterministic:
+        if det:
             return det_matmul(rows, self.lm_head.weight, out_float32=True, pdl=self.pdl), hidden
         logits = gemv(rows, self.lm_head.weight, pdl=self.pdl) if fused else self.lm_head(rows)
         logits = logits.float()  # [m, vocab] (tensor-parallel: [m, vocab / N], this rank's rows, then gathered)

@@ -61,13 +61,14 @@ _REGIONS = (_nested_region(_pre), _nested_region(_post)) if _nested_region is no
 
 
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, rope: Any, meta: Any, fused: bool, pdl: bool,
-               regional: bool) -> torch.Tensor:
-    """``x`` ``[n, hidden]`` through ``layers`` (Llama decoder layers) in order; ``regional``: the parts around
-    attention as nested compile regions while dynamo traces (eagerly, or without the torch support, plain calls)."""
+               regional: bool, det: bool = False) -> torch.Tensor:
+    """``x`` ``[n, hidden]`` through ``layers`` (Llama decoder layers) in order (``fused``, ``pdl``, ``det``: see
+    ``DecoderLayer.forward``); ``regional``: the parts around attention as nested compile regions while dynamo
+    traces (eagerly, or without the torch support, plain calls)."""
     first = layers[0] if len(layers) else None
-    if first is None or fused or first.mlp.deterministic or first.mlp.tp is not None:
+    if first is None or fused or det or first.mlp.deterministic or first.mlp.tp is not None:
         for layer in layers:  # whole layers (residual adds folded into their kernels; all-reduces)
-            x = layer(x, rope, meta, fused, pdl)
+            x = layer(x, rope, meta, fused, pdl, det)
         return x
     # [n, q_size + 2 * kv_size] -> [n, heads * head_dim]
     return run_split_layers(layers, x, lambda layer, qkv: layer.self_attn.attend(qkv, rope, meta), regional)
