@@ -57,7 +57,7 @@ def create_app(loop: EngineLoop, served_model: str, sampling_defaults: SamplingC
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = loop.metrics.render()
+        body, content_type = await asyncio.to_thread(loop.metrics.render)  # (an engine process renders its own)
         return Response(body, media_type=content_type)
 
     def model_card() -> dict[str, Any]:

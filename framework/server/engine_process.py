@@ -123,6 +123,8 @@ class _RemoteMetrics:
 
     def render(self, timeout: float = 10.0) -> tuple[bytes, str]:
         with self._lock:
+            while not self.replies.empty():  # a reply that came after its caller gave up
+                self.replies.get_nowait()
             if not self._owner.send(("metrics",)):
                 return b"", CONTENT_TYPE_LATEST
             try:
