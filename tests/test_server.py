@@ -4,6 +4,7 @@ malformed requests, auth and disconnects; metrics; and ``run=server`` from the c
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -408,7 +409,8 @@ def test_spec_mean_accept_length_is_accepted_per_verify_step():
 def test_run_server_from_the_command_line(engine_process):
     cmd = [sys.executable, str(CONF_DIR.parent / "train_free_serve.py"), "run=server", "model=tiny_llama",
            "compile=eager", f"run.engine_process={engine_process}"]
-    proc = subprocess.Popen(cmd + ["run.port=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd + ["run.port=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         line = "-"
         while line and not line.startswith("serving"):  # Hydra's log lines go to stdout too
@@ -421,7 +423,9 @@ def test_run_server_from_the_command_line(engine_process):
                               timeout=120)
         assert busy.returncode == 2 and "run.port=" in busy.stderr and "cannot listen" in busy.stderr
         assert len(busy.stderr.strip().splitlines()) == 1
-        proc.send_signal(signal.SIGTERM)  # as a service manager stops it; Ctrl-C takes the same path
+        # as a service manager stops it (systemd: every process of the service; the engine process waits to be
+        # stopped by the server); Ctrl-C takes the same path
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

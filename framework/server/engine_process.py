@@ -65,7 +65,10 @@ def engine_main(config: Config, conn: Any) -> None:
     """The engine process: build the engine, then serve the pipe's commands until "stop" or the pipe closes."""
     from framework.engine import Engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the HTTP process, which stops us
+    # A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the server, also reaches the HTTP
+    # process, which lets its requests finish and then stops this one (or this one sees the pipe close)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     lock = threading.Lock()
 
@@ -180,8 +183,8 @@ class EngineProcess:
         self.send(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-            self._proc.terminate()
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
             self._proc.join(10)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
