@@ -295,8 +295,9 @@ class LlamaForCausalLM(nn.Module):
         # and only in uniform batches (a compiled prefill's metadata says it is not one)
         fused = (self.fused_decode and x.is_cuda and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
                  and x.shape[0] <= min(FUSED_MAX_ROWS, GEMV_MAX_ROWS))
-        det_rows = (not fused and not self.deterministic and tp is None and x.is_cuda and torch.compiler.is_compiling()
-                    and getattr(meta, "uniform", True) and 1 < x.shape[0] <= DET_MAX_ROWS)
+        det_rows = (DET_MAX_ROWS > 1 and not fused and not self.deterministic and tp is None and x.is_cuda
+                    and torch.compiler.is_compiling() and getattr(meta, "uniform", True)
+                    and 1 < x.shape[0] <= DET_MAX_ROWS)  # (off: nothing read, no guard on the row count)
         det = self.deterministic or det_rows
         x = run_layers(layers, x, rope, meta, fused, (fused or det) and self.pdl, self.regional, det)
         if fused and FUSED_LM_HEAD:  # the final norm, the lm_head and .float() in one kernel, for every row: the
