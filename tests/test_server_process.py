@@ -5,6 +5,9 @@ raised here with its own message; and an engine process that dies fails its live
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -12,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from framework.config import ConfigError, compose
+from framework.config import CONF_DIR, ConfigError, compose
 from framework.server import ServerThread
 from framework.server.engine_process import EngineProcess
 from tests.conftest import TINY
@@ -120,6 +123,55 @@ def test_bad_engine_process_value_names_it():
             srv.start()
     finally:
         srv.sock.close()
+
+
+def _engine_children(parent: int) -> list[int]:
+    """Pids of ``parent``'s spawned (multiprocessing) children, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                spawned = b"spawn_main" in fh.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and spawned:
+            pids.append(int(entry))
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_server_killed_while_building_leaves_no_engine_process():
+    """SIGKILL the HTTP process while its engine is still being built (nobody reads the pipe then): the engine
+    process goes too, before it finishes building (it never logs "engine ready")."""
+    cmd = [sys.executable, str(CONF_DIR.parent / "train_free_serve.py"), "run=server", "run.port=0",
+           "run.engine_process=on", *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _engine_children(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine process was started"
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(_running(pid) for pid in children):
+            assert time.monotonic() < deadline, "the engine process outlived the server"
+            time.sleep(0.05)
+        assert "engine ready" not in proc.stderr.read()  # (its stderr is this pipe; it is gone, so this ends)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_dead_engine_process_fails_live_requests(server):

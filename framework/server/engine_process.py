@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -61,8 +62,23 @@ class _PipeSink:
         self.send(("events", items))
 
 
-def engine_main(config: Config, conn: Any) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that started it ends (PR_SET_PDEATHSIG, as
+    SGLang's subprocesses do), so that an HTTP process killed while the engine is still being built (when nothing
+    reads the pipe) leaves no engine behind holding the GPU; exit at once if it is already gone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pipe's closing still ends the engine once it is built
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def engine_main(config: Config, conn: Any, parent_pid: int) -> None:
     """The engine process: build the engine, then serve the pipe's commands until "stop" or the pipe closes."""
+    _die_with_parent(parent_pid)
     from framework.engine import Engine
 
     # A terminal's Ctrl-C, or a service manager's SIGTERM to every process of the server, also reaches the HTTP
@@ -147,7 +163,7 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._conn, self._child_conn = ctx.Pipe()
         # not a daemon: a tensor-parallel engine starts rank processes of its own
-        self._proc = ctx.Process(target=engine_main, args=(config, self._child_conn), name="engine")
+        self._proc = ctx.Process(target=engine_main, args=(config, self._child_conn, os.getpid()), name="engine")
         self._send_lock = threading.Lock()
         self._handles: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._handles_lock = threading.Lock()
@@ -160,7 +176,9 @@ class EngineProcess:
 
     # ---- control ------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine process and wait until its engine is built; re-raise the error if building failed."""
+        """Start the engine process and wait until its engine is built; re-raise the error if building failed.
+        NOTE: the engine process is killed when the thread that calls this ends (``_die_with_parent``): call it from
+        a thread that lives as long as the server (the main thread, as ``serve`` and ``ServerThread`` do)."""
         self._proc.start()
         self._child_conn.close()
         try:
