@@ -66,7 +66,7 @@ def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, rope: Any, meta: An
     ``DecoderLayer.forward``); ``regional``: the parts around attention as nested compile regions while dynamo
     traces (eagerly, or without the torch support, plain calls)."""
     first = layers[0] if len(layers) else None
-    if first is None or fused or det or first.mlp.deterministic or first.mlp.tp is not None:
+    if first is None or fused or det or first.mlp.tp is not None:
         for layer in layers:  # whole layers (residual adds folded into their kernels; all-reduces)
             x = layer(x, rope, meta, fused, pdl, det)
         return x
