@@ -10,7 +10,9 @@ client), each sending ``--requests`` requests one after another: completions and
 ``max_tokens`` each with ``ignore_eos`` so every request generates exactly that many tokens. Prints requests/s,
 generated tokens/s (completion tokens over the wall time from the first request to the last answer) and latency
 percentiles; ``--json PATH`` also writes them. ``--offline`` also runs the same requests through ``LLM.generate``
-in-process (no HTTP, all submitted at once) as the engine's ceiling.
+in-process (no HTTP, all submitted at once) as the engine's ceiling. ``--rounds N`` runs the load (and the offline
+reference) N times on the same server (engine) and reports the round with the median tokens/s beside every round's
+tokens/s: a load of a few seconds on a GPU varies between runs.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ async def run_load(url: str, model: str, clients: int, per_client: int, max_toke
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None}
 
 
-def run_offline(overrides: list[str], requests: int, max_tokens: int) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` in this process, all submitted at once: the engine's ceiling."""
+def run_offline(overrides: list[str], requests: int, max_tokens: int, rounds: int = 1) -> dict[str, Any]:
+    """The same requests through ``LLM.generate`` in this process, all submitted at once: the engine's ceiling
+    (the median of ``rounds`` runs on one engine)."""
     sys.path.insert(0, ROOT)
     from framework import LLM
 
@@ -113,11 +116,20 @@ def run_offline(overrides: list[str], requests: int, max_tokens: int) -> dict[st
             item["prompt"] = PROMPTS[i % len(PROMPTS)]
         items.append(item)
     llm.generate(items[:4])  # warm-up
-    t0 = time.perf_counter()
-    tokens = sum(len(o.token_ids) for o in llm.generate(items))
-    wall = time.perf_counter() - t0
-    return {"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
-            "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+    runs = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        tokens = sum(len(o.token_ids) for o in llm.generate(items))
+        wall = time.perf_counter() - t0
+        runs.append({"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
+                     "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)})
+    return median_round(runs)
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median tokens/s (the lower middle one of an even count), with every round's tokens/s."""
+    ranked = sorted(rounds, key=lambda r: r["tokens_per_s"])
+    return dict(ranked[(len(ranked) - 1) // 2], rounds_tokens_per_s=[r["tokens_per_s"] for r in rounds])
 
 
 def main() -> None:
@@ -125,6 +137,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the load (and --offline) this many times; report the median round")
     parser.add_argument("--stream", choices=["mixed", "all", "none"], default="mixed",
                         help="which requests stream: every other one (mixed), all or none")
     parser.add_argument("--url", help="a running server (default: start one with the overrides)")
@@ -133,6 +147,8 @@ def main() -> None:
                         help="also run the same requests through LLM.generate in-process (no HTTP), for reference")
     parser.add_argument("overrides", nargs="*", help=f"Hydra overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
     proc = None
     url = args.url
     if url is None:
@@ -141,7 +157,8 @@ def main() -> None:
         model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none")).models.list()
         model_id = model.data[0].id
         asyncio.run(run_load(url, model_id, 4, 1, 4))  # warm-up
-        result = asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens, args.stream))
+        result = median_round([asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens,
+                                                     args.stream)) for _ in range(args.rounds)])
     finally:
         if proc is not None:
             proc.terminate()
@@ -152,11 +169,16 @@ def main() -> None:
     print(f"{result['clients']:>8} {result['requests']:>9} {result['output_tokens']:>7} {result['wall_s']:>7.2f} "
           f"{result['requests_per_s']:>7.1f} {result['tokens_per_s']:>8.1f} {result['latency_p50_s']:>6.2f} "
           f"{result['latency_p99_s']:>6.2f} {result['ttft_p50_s'] or 0:>9.3f}")
+    if args.rounds > 1:
+        print(f"(the median of {args.rounds} rounds; tok/s of each: {result['rounds_tokens_per_s']})")
     if args.offline:
-        ref = run_offline(args.overrides or DEFAULT_OVERRIDES, args.clients * args.requests, args.max_tokens)
+        ref = run_offline(args.overrides or DEFAULT_OVERRIDES, args.clients * args.requests, args.max_tokens,
+                          args.rounds)
         result["offline"] = ref
         print(f"offline LLM.generate, all {ref['requests']} requests at once: {ref['requests_per_s']:.1f} req/s, "
-              f"{ref['tokens_per_s']:.1f} tok/s ({ref['output_tokens']} tokens in {ref['wall_s']:.2f} s)")
+              f"{ref['tokens_per_s']:.1f} tok/s ({ref['output_tokens']} tokens in {ref['wall_s']:.2f} s)"
+              + (f"; tok/s of each round: {ref['rounds_tokens_per_s']}" if args.rounds > 1 else ""))
+        print(f"server / offline: {result['tokens_per_s'] / ref['tokens_per_s']:.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -20,7 +20,10 @@ and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` a
 Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched; a speculative
 iteration counts as one), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
-iteration and the iteration's GPU time from CUDA events (speculation v2).
+iteration and the iteration's GPU time from CUDA events (speculation v2). Where there are several engines (models x
+drafters), each runs in a process of its own, one after another, and the table at the end gathers their rows: an
+engine built after another in one process runs slower (docs/PERFORMANCE.md, "A second engine in one process");
+``--one-process`` builds them all in this one.
 
 - ``8b``: ``llama3_8b_random`` (Llama-3-8B's shape, random weights), the prompts of bench/prompts/grounded.jsonl
   repeated to max(8, BATCH) requests, 256 new tokens each with ``ignore_eos``.
@@ -47,7 +50,9 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -156,7 +161,8 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "output_tokens": summary["num_output_tokens"], "tokens_per_s": summary["tokens_per_s"],
            "wall_s": summary["wall_s"], "forwards": len(launches), "prefill_forwards": launches.count("EXTEND"),
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
-           "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1)}
+           "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1),
+           "device": torch.cuda.get_device_name()}
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
         sp = engine.config.speculative
         search = (" search" if sp.skip_search else "") + (" adaptive" if sp.adaptive else "")
@@ -167,7 +173,50 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
     return row
 
 
-def main() -> None:
+def child_argv(args: argparse.Namespace, cases: list[str], drafter: str | None, json_path: str) -> list[str]:
+    """The command line that runs one engine (``cases`` of one model, one drafter) in a process of its own."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--cases", *cases, "--overlap", *args.overlap,
+            "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat), "--prompts", args.prompts,
+            "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
+            "--profile", str(args.profile), "--json", json_path, "--no-table"]
+    if drafter is not None:
+        argv += ["--speculative", drafter]
+    if args.set:
+        argv += ["--set", *args.set]
+    return argv + ["--", *args.extra]
+
+
+def run_in_processes(args: argparse.Namespace, engines: list[tuple[str, str | None]]) -> tuple[list[dict], int]:
+    """Each engine's cases in a child process, one after another; returns their rows and the number that failed."""
+    rows, failed = [], 0
+    for name, drafter in engines:
+        cases = [c for c in args.cases if c.split(":")[0] == name]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            print(f"=== {name} {drafter or 'none'}: a process of its own", flush=True)
+            code = subprocess.call(child_argv(args, cases, drafter, out))
+            if code != 0 or not os.path.exists(out):
+                print(f"=== {name} {drafter or 'none'}: failed (exit code {code})", flush=True)
+                failed += 1
+                continue
+            rows += json.loads(Path(out).read_text())
+    return rows, failed
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\n{rows[0]['device']}, torch {torch.__version__}")
+    print(f"{'case':>16} {'drafter':>10} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
+          f"{'accept':>6} {'gpu iter ms':>11}")
+    for r in rows:
+        drafter = r.get("speculative", "none") + (f" k={r['num_steps']}" if "num_steps" in r else "")
+        print(f"{r['case']:>16} {drafter:>10} {r['overlap']:>7} {r['requests']:>5} "
+              f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} {r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
+              f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="MODEL:BATCH, MODEL in " + ", ".join(MODELS))
     ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"])
@@ -187,16 +236,30 @@ def main() -> None:
     ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
                     help="one engine per drafter (none, ngram, ...; DRAFTER,OVERRIDE,... adds Hydra overrides for "
                          "that engine) for each model, built in this process")
+    ap.add_argument("--one-process", action="store_true",
+                    help="build every engine in this process (default: each in a process of its own)")
+    ap.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)  # a child of run_in_processes
     add_set_option(ap)
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every case (after --)")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
     apply_sets(ap, args.set)
     if not torch.cuda.is_available():
         raise SystemExit("bench/e2e.py needs a CUDA GPU")
     tokenizer = os.environ.get("TFS_TOKENIZER")
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases]
-    rows = []
     engines = [(n, d) for n in dict.fromkeys(n for n, _ in cases) for d in args.speculative]
+    if len(engines) > 1 and not args.one_process:
+        rows, failed = run_in_processes(args, engines)
+        print_table(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        raise SystemExit(1 if failed else 0)
+    rows = []
     for name, drafter in engines:  # one engine per model and drafter, in the order given
         drafter, *own = drafter.split(",") if drafter else [None]  # DRAFTER,OVERRIDE,...
         extra = list(args.extra) + ([f"speculative={drafter}"] if drafter else []) + own
@@ -212,14 +275,8 @@ def main() -> None:
         engine.close()  # the next engine starts from clean compile state (framework/compile_state.py)
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':>16} {'drafter':>10} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
-          f"{'accept':>6} {'gpu iter ms':>11}")
-    for r in rows:
-        drafter = r.get("speculative", "none") + (f" k={r['num_steps']}" if "num_steps" in r else "")
-        print(f"{r['case']:>16} {drafter:>10} {r['overlap']:>7} {r['requests']:>5} "
-              f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} {r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
-              f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
+    if not args.no_table:
+        print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -1,0 +1,54 @@
+"""bench/e2e.py's engines in processes of their own: each child gets the parent's options for its one engine, and
+the parent gathers the children's rows (a failed child is reported, the others' rows kept)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import e2e  # noqa: E402
+
+OPTIONS = ["--cases", "smollm2:1", "smollm2:8", "8b:1", "--overlap", "on", "--new-tokens", "64", "--repeat", "12",
+           "--prompts", "open", "--max-tokens", "256", "--speculative", "none", "ngram,speculative.num_steps=2",
+           "--set", "framework.models.llama.DET_MAX_ROWS=8", "--", "compile.batch_sizes=[1,8]", "attention=triton"]
+
+
+def test_a_child_gets_the_parents_options_for_its_one_engine():
+    parser = e2e.build_parser()
+    args = parser.parse_args(OPTIONS)
+    argv = e2e.child_argv(args, ["smollm2:1", "smollm2:8"], "ngram,speculative.num_steps=2", "/tmp/rows.json")
+    assert argv[:2] == [sys.executable, os.path.realpath(e2e.__file__)]
+    child = parser.parse_args(argv[2:])
+    assert child.cases == ["smollm2:1", "smollm2:8"] and child.speculative == ["ngram,speculative.num_steps=2"]
+    assert child.json == "/tmp/rows.json" and child.no_table and not child.one_process
+    for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "set", "extra"):
+        assert getattr(child, key) == getattr(args, key), key
+    plain = parser.parse_args(e2e.child_argv(args, ["8b:1"], None, "/tmp/rows.json")[2:])
+    assert plain.speculative == [None] and plain.cases == ["8b:1"]
+
+
+def test_the_parent_gathers_rows_and_counts_failed_children(monkeypatch, capsys):
+    args = e2e.build_parser().parse_args(OPTIONS)
+    engines = [("smollm2", "none"), ("smollm2", "ngram,speculative.num_steps=2"), ("8b", "none"), ("8b", "ngram")]
+    calls = []
+
+    def fake_call(argv):
+        calls.append(argv)
+        child = e2e.build_parser().parse_args(argv[2:])
+        if child.speculative == ["ngram"]:
+            return 1  # a child that died: no rows
+        rows = [{"case": c, "speculative": child.speculative[0]} for c in child.cases]
+        with open(child.json, "w") as fh:
+            json.dump(rows, fh)
+        return 0
+
+    monkeypatch.setattr(e2e.subprocess, "call", fake_call)
+    rows, failed = e2e.run_in_processes(args, engines)
+    assert len(calls) == 4 and failed == 1
+    assert [(r["case"], r["speculative"]) for r in rows] == [
+        ("smollm2:1", "none"), ("smollm2:8", "none"), ("smollm2:1", "ngram,speculative.num_steps=2"),
+        ("smollm2:8", "ngram,speculative.num_steps=2"), ("8b:1", "none")]
+    assert "8b ngram: failed (exit code 1)" in capsys.readouterr().out
