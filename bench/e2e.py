@@ -3,6 +3,7 @@
     python3 bench/e2e.py                                   # the default cases, overlap on and off
     python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
     python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
+    python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative ngram --kernels 25   # and the GPU's
     python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram --max-tokens 256
     python3 bench/e2e.py --cases smollm2_random:8 --overlap on --set framework.models.llama.FUSED_MAX_ROWS=8
     python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative none layer_skip,speculative.exit_layer=24 \
@@ -20,7 +21,9 @@ and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` a
 Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched; a speculative
 iteration counts as one), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
-iteration and the iteration's GPU time from CUDA events (speculation v2). Where there are several engines (models x
+iteration and the iteration's GPU time from CUDA events (speculation v2). ``--kernels N``: after each case, one
+batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
+the wall time (what is left is the GPU waiting for the host) and the N kernels that took the most. Where there are several engines (models x
 drafters), each runs in a process of its own, one after another, and the table at the end gathers their rows: an
 engine built after another in one process runs slower (docs/PERFORMANCE.md, "A second engine in one process");
 ``--one-process`` builds them all in this one.
@@ -44,6 +47,7 @@ About 1-2 minutes per 8B case (compilation included) and 30 s per SmolLM2 case o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -55,6 +59,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -68,6 +73,7 @@ from framework.jobs.generate import generate_items, metrics, read_prompts  # noq
 from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.worker import SpecStats  # noqa: E402
+from kernel_profile import print_profile, profile_kernels  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 PROMPTS = ROOT / "bench" / "prompts"  # grounded.jsonl, open.jsonl (--prompts)
@@ -121,33 +127,43 @@ def build_engine(name: str, max_batch: int, extra: list[str]) -> Engine:
                            "run.progress=false", *extra]))
 
 
+@contextlib.contextmanager
+def counting_launches(engine: Engine) -> Iterator[list[str]]:
+    """The modes of the forwards the engine launches meanwhile (a speculative iteration counts as one)."""
+    launches: list[str] = []
+    launch = engine.launch_step
+    engine.launch_step = lambda step: launches.append(step.mode.name) or launch(step)
+    if engine.spec_version == "v1":  # its verify iterations do not go through launch_step
+        spec_step = engine.spec_worker.step
+        engine.spec_worker.step = lambda step: launches.append(step.mode.name) or spec_step(step)
+    try:
+        yield launches
+    finally:
+        del engine.launch_step
+        if engine.spec_version == "v1":
+            del engine.spec_worker.step
+
+
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
-             profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded") -> dict:
+             profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded",
+             kernels: int = 0) -> dict:
     items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens, prompt_set)
     engine.scheduler.cfg.max_running_requests = batch
     engine.overlap = overlap == "on"
     engine.stats = EngineStats()
     if engine.spec_worker is not None:
         engine.spec_worker.stats = SpecStats(accepted_at_depth=[0] * engine.config.speculative.num_steps)
-    launches = []  # the job's forwards (a speculative iteration counts as one)
-    launch = engine.launch_step
-    engine.launch_step = lambda step: launches.append(step.mode.name) or launch(step)
-    if engine.spec_version == "v1":  # its verify iterations do not go through launch_step
-        spec_step = engine.spec_worker.step
-        engine.spec_worker.step = lambda step: launches.append(step.mode.name) or spec_step(step)
     profiler = cProfile.Profile() if profile else None
-    if profiler:
-        profiler.enable()
-    outputs = generate_items(engine, items, progress=False)
-    if profiler:
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
-        print(f"--- {name}:{batch} overlap {overlap}: host functions by own time (cProfile slows the host)\n"
-              + text.getvalue().split("\n\n", 1)[-1].strip(), flush=True)
-    del engine.launch_step
-    if engine.spec_version == "v1":
-        del engine.spec_worker.step
+    with counting_launches(engine) as launches:
+        if profiler:
+            profiler.enable()
+        outputs = generate_items(engine, items, progress=False)
+        if profiler:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+            print(f"--- {name}:{batch} overlap {overlap}: host functions by own time (cProfile slows the host)\n"
+                  + text.getvalue().split("\n\n", 1)[-1].strip(), flush=True)
     summary = metrics(engine, outputs)
     errors = [o.error for o in outputs if o.finish_reason == "error"]
     if errors:
@@ -163,6 +179,15 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
            "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1),
            "device": torch.cuda.get_device_name()}
+    if kernels:  # one batch of the requests again (their prompts now cached), under torch.profiler
+        def work() -> int:
+            with counting_launches(engine) as again:
+                generate_items(engine, [dict(it, id=f"{it['id']}-k") for it in items[:batch]], progress=False)
+            return sum(m != "EXTEND" for m in again)  # decode steps / speculative iterations
+
+        row["kernels"] = profile_kernels(work, kernels)
+        print_profile(f"{name}:{batch} overlap {overlap}, {len(items[:batch])} requests (prefills not counted as "
+                      "iterations, their kernels are)", row["kernels"])
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
         sp = engine.config.speculative
         search = (" search" if sp.skip_search else "") + (" adaptive" if sp.adaptive else "")
@@ -178,7 +203,7 @@ def child_argv(args: argparse.Namespace, cases: list[str], drafter: str | None, 
     argv = [sys.executable, str(Path(__file__).resolve()), "--cases", *cases, "--overlap", *args.overlap,
             "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat), "--prompts", args.prompts,
             "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-            "--profile", str(args.profile), "--json", json_path, "--no-table"]
+            "--profile", str(args.profile), "--kernels", str(args.kernels), "--json", json_path, "--no-table"]
     if drafter is not None:
         argv += ["--speculative", drafter]
     if args.set:
@@ -233,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run each job under cProfile and print its top N host functions (the job's numbers then "
                          "include the profiler's cost)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="after each case, one batch of its requests under torch.profiler: the GPU's busy share "
+                         "and its top N kernels per iteration")
     ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
                     help="one engine per drafter (none, ngram, ...; DRAFTER,OVERRIDE,... adds Hydra overrides for "
                          "that engine) for each model, built in this process")
@@ -270,7 +298,8 @@ def main() -> None:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
                 rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
-                                     args.profile, args.max_tokens, args.prompt_tokens, args.prompts))
+                                     args.profile, args.max_tokens, args.prompt_tokens, args.prompts,
+                                     args.kernels))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         engine.close()  # the next engine starts from clean compile state (framework/compile_state.py)
         del engine

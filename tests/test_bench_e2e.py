@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import e2e  # noqa: E402
 
 OPTIONS = ["--cases", "smollm2:1", "smollm2:8", "8b:1", "--overlap", "on", "--new-tokens", "64", "--repeat", "12",
-           "--prompts", "open", "--max-tokens", "256", "--speculative", "none", "ngram,speculative.num_steps=2",
+           "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--speculative", "none", "ngram,speculative.num_steps=2",
            "--set", "framework.models.llama.DET_MAX_ROWS=8", "--", "compile.batch_sizes=[1,8]", "attention=triton"]
 
 
@@ -24,7 +24,8 @@ def test_a_child_gets_the_parents_options_for_its_one_engine():
     child = parser.parse_args(argv[2:])
     assert child.cases == ["smollm2:1", "smollm2:8"] and child.speculative == ["ngram,speculative.num_steps=2"]
     assert child.json == "/tmp/rows.json" and child.no_table and not child.one_process
-    for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "set", "extra"):
+    for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "kernels", "set",
+                "extra"):
         assert getattr(child, key) == getattr(args, key), key
     plain = parser.parse_args(e2e.child_argv(args, ["8b:1"], None, "/tmp/rows.json")[2:])
     assert plain.speculative == [None] and plain.cases == ["8b:1"]
@@ -52,3 +53,11 @@ def test_the_parent_gathers_rows_and_counts_failed_children(monkeypatch, capsys)
         ("smollm2:1", "none"), ("smollm2:8", "none"), ("smollm2:1", "ngram,speculative.num_steps=2"),
         ("smollm2:8", "ngram,speculative.num_steps=2"), ("8b:1", "none")]
     assert "8b ngram: failed (exit code 1)" in capsys.readouterr().out
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    from kernel_profile import busy_us
+
+    assert busy_us([]) == 0.0
+    # overlapping (PDL), nested, touching and separate kernels: [0, 10] u [12, 20] u [30, 31]
+    assert busy_us([(12, 15), (0, 6), (4, 10), (5, 7), (14, 20), (30, 31)]) == 10 + 8 + 1

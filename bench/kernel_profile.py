@@ -1,0 +1,61 @@
+"""The GPU's side of a stretch of work: torch.profiler's kernels, how busy they kept the GPU, and the kernels that
+took the most time per iteration. Used by ``bench/e2e.py --kernels N`` on the user's own job.
+
+A CUDA graph replay's kernels are traced one by one (CUPTI), so a speculative iteration's prepare, verify forward,
+and finish show up as their kernels; the busy share is the union of kernel intervals over the wall time, so what is
+left (1 - share) is time the GPU waited for the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (us): time with at least one kernel running."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def profile_kernels(work: Callable[[], int], top: int) -> dict:
+    """Run ``work`` (it returns how many iterations it ran) under torch.profiler (CUDA activity only) -> wall us,
+    kernel us and GPU busy us per iteration, busy share, and the ``top`` kernels by time: (name, calls per
+    iteration, us per iteration)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        iterations = work()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_name[e.name].append(e.time_range.elapsed_us())
+    n = max(iterations, 1)
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"iterations": iterations, "wall_us_per_iteration": round(wall_us / n, 1),
+            "kernel_us_per_iteration": round(sum(sum(v) for v in per_name.values()) / n, 1),
+            "kernels_per_iteration": round(len(kernels) / n, 1), "busy_us_per_iteration": round(busy / n, 1),
+            "gpu_busy_share": round(busy / wall_us, 3) if wall_us else 0.0,
+            "top_kernels": [(name, round(len(t) / n, 2), round(sum(t) / n, 1)) for name, t in ranked]}
+
+
+def print_profile(label: str, prof: dict) -> None:
+    print(f"--- {label}: {prof['iterations']} iterations; per iteration: wall {prof['wall_us_per_iteration']:.0f} us, "
+          f"GPU busy {prof['busy_us_per_iteration']:.0f} us (share {prof['gpu_busy_share']:.2f}), "
+          f"{prof['kernels_per_iteration']:.0f} kernels of {prof['kernel_us_per_iteration']:.0f} us")
+    print("kernel | calls per iteration | us per iteration")
+    for name, calls, us in prof["top_kernels"]:
+        print(f"{name[:90]} | {calls:.2f} | {us:.1f}")
