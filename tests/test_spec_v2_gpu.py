@@ -97,7 +97,8 @@ def test_startup_compiles_the_model_once_per_verify_width():
     assert llm.engine.spec_worker._fused is not None and llm.engine.spec_worker.padded_size(1, 5) == 2
     names = [m.co_name for m in list(get_compilation_metrics())[since:]]
     assert names.count("_verify_logits_q5") == 1, names
-    assert names.count("_finish_greedy") == 1 and names.count("_finish_sampling") == 1, names
+    # the greedy finish is part of the prepare-and-verify program; the sampling finish a program of its own
+    assert names.count("_finish_greedy") == 0 and names.count("_finish_sampling") == 1, names
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert all(o.token_ids for o in llm.generate(items()[:1]))  # batch 1: the padded program
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames

@@ -5,8 +5,10 @@ device (n-gram, suffix chains).
 forward, finish). Where the drafter drafts on the device and the attention backend builds a causal uniform batch's
 metadata from device tensors (:meth:`AttentionBackend.uniform_metadata`: ``attention=triton``), prepare and the
 forward are one ``torch.compile(mode="reduce-overhead")`` program (one CUDA graph replay, no static-input copies
-between them, inductor fuses prepare's small kernels with the forward's), and the finish that fits the batch's
-sampling follows: greedy or sampling (compiled, small) or top-k / top-p (eager). The model is compiled once per verify
+between them, inductor fuses prepare's small kernels with the forward's). The greedy finish (verification and the
+token history update) is part of it too: an all-greedy batch's iteration is one replay, where a second compiled call
+cost the host about 0.2 ms an iteration. In a batch where some request samples, a device flag turns the program's
+history update off and the sampling finish follows (compiled; top-k / top-p eager). The model is compiled once per verify
 width, whatever the sampling: with one per sampling kind per width (greedy, sampling, and the runner's forward for
 top-k / top-p), each compiled twice (batch size 1 and the rest), a fixed-depth n-gram engine with the real SmolLM2 on
 an H200 had not started after about four and a half minutes, nor an adaptive one (a program per width) after nine.
@@ -32,7 +34,12 @@ class FusedIteration:
 
     def __init__(self, worker: "SpecV2Worker") -> None:
         self.worker = worker
-        self._verify_fn = width_programs(self._verify_logits, worker.widths, compiled=True, pass_width=True)
+        self._verify_fn = width_programs(self._verify_logits, worker.widths, compiled=worker.graphs, pass_width=True)
+        # whether the program's greedy finish updates the token history: a bool on the device, read in the graph
+        self._greedy = torch.ones((), dtype=torch.bool, device=worker.device)
+        self._greedy_now = True
+        if worker.device.type == "cuda":
+            torch._dynamo.mark_static_address(self._greedy)
 
     @staticmethod
     def applies(worker: "SpecV2Worker") -> bool:
@@ -43,10 +50,14 @@ class FusedIteration:
         empty = torch.zeros(0, dtype=torch.int64, device=worker.device)
         return worker.engine.runner.backend.uniform_metadata(empty, empty, empty, worker.q) is not None
 
-    def run(self, rows: torch.Tensor, q: int) -> tuple[torch.Tensor, ...]:
-        """Queue prepare and the TARGET_VERIFY forward of the requests ``rows`` ``[bs]`` (padded) at ``q`` verify
-        tokens each: (tokens, valid ``[bs, q]``, logits ``[bs * q, vocab]``, sampling steps ``[bs]``); the caller
-        has marked the CUDA-graph step."""
+    def run(self, rows: torch.Tensor, q: int, all_greedy: bool) -> tuple[torch.Tensor, ...]:
+        """Queue prepare, the TARGET_VERIFY forward and the greedy finish of the requests ``rows`` ``[bs]`` (padded)
+        at ``q`` verify tokens each: (tokens, valid ``[bs, q]``, logits ``[bs * q, vocab]``, sampling steps ``[bs]``,
+        the greedy finish's result, which counts only where ``all_greedy``: otherwise the token history is left for
+        the sampling finish); the caller has marked the CUDA-graph step."""
+        if all_greedy != self._greedy_now:  # (a fill on the device, queued; only when the batch's kind changes)
+            self._greedy.fill_(all_greedy)
+            self._greedy_now = all_greedy
         torch._dynamo.maybe_mark_dynamic(rows, 0)
         return self._verify_fn[q](rows)
 
@@ -58,4 +69,4 @@ class FusedIteration:
         meta = runner.backend.uniform_metadata(slots.reshape(-1), rows, seq_lens, q)
         logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits, _hidden = runner.model(input_ids, positions, meta, logits_index, None)
-        return tokens, valid, logits, steps
+        return tokens, valid, logits, steps, w._finish_greedy(rows, tokens, valid, logits, self._greedy)

@@ -8,6 +8,8 @@ request's prefill completes (:meth:`TokenHistory.start`) and grow on the device 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -49,12 +51,13 @@ class TokenHistory:
             self.tokens[rows_t, lens_t - 1] = torch.where(samples_t.bool(), sampled[index_t].to(torch.int64), last)
 
     def append(self, rows: torch.Tensor, accept_tokens: torch.Tensor, accept_lens: torch.Tensor,
-               bonus: torch.Tensor) -> None:
+               bonus: torch.Tensor, enabled: Optional[torch.Tensor] = None) -> None:
         """After a verification (on the device, in the graph): row ``rows[i]`` gains ``accept_tokens[i,
-        :accept_lens[i]]``, the last of them ``bonus[i]`` the next root. rows ``[bs]``, accept_tokens ``[bs, q]``."""
+        :accept_lens[i]]``, the last of them ``bonus[i]`` the next root. rows ``[bs]``, accept_tokens ``[bs, q]``;
+        ``enabled`` (a bool scalar on the device; None: true) false leaves every row as it was."""
         q = accept_tokens.shape[1]
         lens = self.lens[rows]  # [bs]
-        real = rows != DUMMY_ROW
+        real = rows != DUMMY_ROW if enabled is None else (rows != DUMMY_ROW) & enabled
         cols = (lens[:, None] + torch.arange(q, device=rows.device)[None, :]).clamp(max=self.width - 1)
         # tokens past accept_lens land beyond the new length, where nothing reads them before they are rewritten
         self.tokens[rows[:, None].expand(-1, q), cols] = torch.where(real[:, None], accept_tokens,

@@ -124,9 +124,10 @@ class SpecV2Worker:
         return tokens, valid, positions.reshape(-1), slots, committed + q, committed, steps
 
     def _finish_greedy(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                       logits: torch.Tensor) -> torch.Tensor:
+                       logits: torch.Tensor, enabled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Greedy verification and its token history update (none where ``enabled`` is false on the device)."""
         accept_lens, accept_tokens, bonus = verify_chain_greedy(tokens, valid, logits)
-        self.history.append(rows, accept_tokens, accept_lens, bonus)
+        self.history.append(rows, accept_tokens, accept_lens, bonus, enabled)
         return self._result(rows, accept_lens, accept_tokens)
 
     def _finish_sampling(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
@@ -225,10 +226,10 @@ class SpecV2Worker:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
-        draft_probs = hidden = committed = None
-        if self._fused is not None:  # prepare and verify in one program (its drafting time counts as verifying)
+        draft_probs = hidden = committed = greedy_out = None
+        if self._fused is not None:  # prepare, verify and a greedy finish in one program (drafting counts as verifying)
             self._record(events, 1)
-            tokens, valid, logits, steps = self._fused.run(rows, q)
+            tokens, valid, logits, steps, greedy_out = self._fused.run(rows, q, sampling.all_greedy)
         else:
             if not self.graphs:  # eager drafting scans the histories' filled part (64-token steps), not the table
                 self._eager_width = min(-(-(max(bounds) + 1) // 64) * 64, self.history.tokens.shape[1])
@@ -248,21 +249,29 @@ class SpecV2Worker:
             logits, hidden = self.engine.runner.forward(batch, new_step=False)
         sampling = dataclasses.replace(sampling, steps=steps)
         self._record(events, 2)
-        if self.graphs:  # one compile serves most batch sizes and widths (dynamo specialises sizes of 1)
-            mark_any_width([rows, tokens, valid, logits, steps, sampling.temperatures, sampling.top_ps,
-                            sampling.top_ks, sampling.seeds, draft_probs], [tokens, valid, draft_probs])
-        if sampling.all_greedy:
-            out = self._greedy_fn(rows, tokens, valid, logits)
-        else:  # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
-            finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
-            out = finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                         sampling.seeds, steps, sampling.need_top_k_top_p, draft_probs)
+        if greedy_out is not None and sampling.all_greedy:  # finished inside the fused program
+            out = greedy_out
+        else:
+            out = self._finish(rows, tokens, valid, logits, sampling, draft_probs)
         self._record(events, 3)
         if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
             emitted = out[padded_bs: padded_bs * (1 + q)].view(padded_bs, q)
             self.drafter.extend_v2(rows, committed, emitted, out[:padded_bs], hidden, bounds)
         self._record(events, 4)
         return self._launched(step, padded_bs, out, events, q, t0)
+
+    def _finish(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
+                sampling: SamplingBatch, draft_probs: Optional[torch.Tensor]) -> torch.Tensor:
+        """Queue the finish program that fits the batch's sampling: verification and the token history update."""
+        if self.graphs:  # one compile serves most batch sizes and widths (dynamo specialises sizes of 1)
+            mark_any_width([rows, tokens, valid, logits, sampling.steps, sampling.temperatures, sampling.top_ps,
+                            sampling.top_ks, sampling.seeds, draft_probs], [tokens, valid, draft_probs])
+        if sampling.all_greedy:
+            return self._greedy_fn(rows, tokens, valid, logits)
+        # NOTE: top-k / top-p batches run it eagerly: inductor fails on the sort-and-scatter of the filter
+        finish = self._finish_sampling if sampling.need_top_k_top_p else self._sampling_fn
+        return finish(rows, tokens, valid, logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                      sampling.seeds, sampling.steps, sampling.need_top_k_top_p, draft_probs)
 
     def _launched(self, step: ScheduledStep, padded_bs: int, out: torch.Tensor,
                   events: Optional[list[torch.cuda.Event]], q: int, t0: float) -> SpecLaunched:
