@@ -39,7 +39,8 @@ def plain():
 ], ids=["ngram-chain", "ngram-tree", "layer_skip-chain", "layer_skip-tree-batch1"])
 def test_greedy_equals_plain(plain, spec):
     llm = LLM(BASE + spec)
-    assert [o.token_ids for o in llm.generate(items())] == plain
+    count = 3 if "scheduler.max_running_requests=1" in spec else len(CHATS)  # batch 1: one request after another
+    assert [o.token_ids for o in llm.generate(items()[:count])] == plain[:count]
     llm.engine.allocator.assert_all_free()
 
 
