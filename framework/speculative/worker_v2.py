@@ -60,7 +60,7 @@ class SpecLaunched:
     step: ScheduledStep
     padded_bs: int
     result: AsyncCopy  # [padded_bs + padded_bs * q]: accept lengths, then the emitted tokens of each request
-    events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, verified, accepted, extended
+    events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, accepted, extended
     q: int  # verify tokens per request (the root and q - 1 drafts)
     wall_s: float  # the host's time launching it (on the CPU: its computation)
 
@@ -85,6 +85,7 @@ class SpecV2Worker:
         self.adaptive = DraftLengthController(cfg.num_steps, shadow=self.shadow is not None) if cfg.adaptive else None
         self._assigned: dict[int, int] = {}  # request row -> positions [0, n) that have slots
         self._inflight: list[SpecLaunched] = []
+        self._events: list[list[torch.cuda.Event]] = []  # CUDA events of applied iterations, for reuse
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # padded_bs -> (rows, device tensor) last used
         self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
         self._logits_index: dict[tuple[int, int], torch.Tensor] = {}
@@ -222,7 +223,9 @@ class SpecV2Worker:
     def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int], sampling: SamplingBatch,
              q: int) -> SpecLaunched:
         padded_bs, t0 = rows.shape[0], time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if self.device.type == "cuda" else None
+        events = None
+        if self.device.type == "cuda":  # (reused once an iteration's times are read: creating events costs host time)
+            events = self._events.pop() if self._events else [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # one step: prepare, verify and finish read each other
         self._record(events, 0)
@@ -248,16 +251,15 @@ class SpecV2Worker:
                                  logits_index=self._logits_index[padded_bs, q])
             logits, hidden = self.engine.runner.forward(batch, new_step=False)
         sampling = dataclasses.replace(sampling, steps=steps)
-        self._record(events, 2)
         if greedy_out is not None and sampling.all_greedy:  # finished inside the fused program
             out = greedy_out
         else:
             out = self._finish(rows, tokens, valid, logits, sampling, draft_probs)
-        self._record(events, 3)
+        self._record(events, 2)
         if self.drafter.extends_after_verify:  # DRAFT_EXTEND_V2 over the emitted tokens, from its graph
             emitted = out[padded_bs: padded_bs * (1 + q)].view(padded_bs, q)
             self.drafter.extend_v2(rows, committed, emitted, out[:padded_bs], hidden, bounds)
-        self._record(events, 4)
+        self._record(events, 3)
         return self._launched(step, padded_bs, out, events, q, t0)
 
     def _finish(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
@@ -331,7 +333,8 @@ class SpecV2Worker:
         if events is None:
             self.stats.add(lens)
             return launched.wall_s
-        s = [events[i].elapsed_time(events[j]) / 1e3 for i, j in ((0, 1), (1, 3), (3, 4))]  # (the copy came last)
+        s = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(3)]  # (all done: the copy came last)
+        self._events.append(events)
         self.stats.add(lens, *s)
         self.stats.num_iterations += 1
         return sum(s)
