@@ -2,7 +2,8 @@
 that builds uniform metadata from device tensors): prepare, the verify forward and the greedy finish as one
 program. An all-greedy batch is finished inside it (no finish program runs) with plain decoding's tokens; in a batch
 where some request samples, the program's token history update stays off and the sampling finish gives the unfused
-iteration's tokens, also when batches of both kinds alternate."""
+iteration's tokens, also when batches of both kinds alternate; with the adaptive depth every width's program (1 to
+num_steps + 1 verify tokens) finishes greedily inside itself."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ def mixed_items(n: int) -> list[dict]:
     return [dict(it, **({"temperature": 0.9, "seed": 7 + i} if i % 2 else {})) for i, it in enumerate(greedy_items(n))]
 
 
-def fused_llm() -> tuple[LLM, dict]:
+def fused_llm(extra: tuple[str, ...] | list[str] = ()) -> tuple[LLM, dict]:
     """A v2 n-gram engine whose iterations take the fused program (eager), with its finish programs counted. sdpa
     builds its metadata on the host: here from the tensors the program computed (read back: eager, CPU)."""
-    llm = LLM(BASE)
+    llm = LLM(BASE + list(extra))
     worker, backend = llm.engine.spec_worker, llm.engine.runner.backend
     assert worker._fused is None and not worker.graphs
 
@@ -70,3 +71,16 @@ def test_sampling_batches_leave_the_history_to_the_sampling_finish():
     assert [[o.token_ids for o in llm.generate(items)] for items in kinds] == want
     assert calls["sampling_finish"] > 0 and calls["greedy_finish"] == 0
     llm.engine.allocator.assert_all_free()
+
+
+def test_every_width_of_the_adaptive_depth_finishes_inside_the_program():
+    """``speculative.adaptive=true``: a program per verify width, 1 (a plain step) to num_steps + 1, each with the
+    greedy finish."""
+    from tests.test_adaptive_v2 import CycleDepths
+
+    plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=4"]).generate(greedy_items(6))]
+    llm, calls = fused_llm(["speculative.adaptive=true"])
+    llm.engine.spec_worker.adaptive = CycleDepths(4)  # every depth in turn
+    assert [o.token_ids for o in llm.generate(greedy_items(6))] == plain
+    assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"0", "1", "2", "3", "4"}
+    assert calls["greedy_finish"] == 0
