@@ -66,26 +66,34 @@ def test_compiled_bf16_decode_agrees_with_eager():
 
 
 def test_several_row_forwards_through_det_matmul_agree_with_cublas(monkeypatch):
-    """``DET_MAX_ROWS`` (framework/models/llama.py): a compiled batch of 4 decodes through tfs::det_matmul's fused
-    layer instead of cuBLAS and inductor's kernels, and gives the same greedy tokens for most of each request (bf16
-    kernels differ, so allow a late divergence)."""
+    """``DET_MAX_ROWS`` (framework/models/llama.py): a compiled decode of 4 requests through tfs::det_matmul's fused
+    layer instead of cuBLAS and inductor's kernels gives the same logits to bf16 precision. The prefill runs eagerly
+    in both engines (the same path), so the first decode step's inputs are the same; its logits are compared (random
+    weights: their argmax is too close a call to compare tokens)."""
     import framework.models.llama as llama
 
-    prompts = [{"prompt": p, "max_tokens": 32, "ignore_eos": True} for p in
-               ["The history of the city begins", "def main():", "1, 2, 3,", "Dear Sir or Madam,"]]
-    base = cuda_overrides("model=smollm2_135m_random", "compile=reduce_overhead", "scheduler.max_running_requests=4",
-                          "compile.batch_sizes=[4]", "compile.prefill=false", "compile.prefill_graph_tokens=0",
-                          "attention=triton")
-    outs, calls = {}, []
+    prompts = [[1 + i, 20 + i, 300 + 7 * i, 4000 + i] * 3 for i in range(4)]
+    base = cuda_overrides("model=smollm2_135m_random", "attention=triton", "compile=reduce_overhead",
+                          "scheduler.max_running_requests=4", "compile.batch_sizes=[4]", "compile.prefill=false",
+                          "compile.prefill_graph_tokens=0")
+    first, calls = {}, []
     real = llama.det_matmul
+
+    def counted(*args, **kwargs):
+        calls.append(llama.DET_MAX_ROWS)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "det_matmul", counted)
     for rows in (0, 8):
         monkeypatch.setattr(llama, "DET_MAX_ROWS", rows)
-        monkeypatch.setattr(llama, "det_matmul", lambda *a, **k: (calls.append(rows), real(*a, **k))[1])
-        outs[rows] = [o.token_ids for o in LLM(base).generate(prompts)]
+        llm = LLM(base)
+        first[rows] = [logits[1] for _, logits in greedy_with_logits(llm.engine, prompts, max_tokens=3)]
+        llm.engine.allocator.assert_all_free()
+        llm.engine.close()  # the next engine starts from clean compile state
     assert 8 in calls and 0 not in calls  # the several-row path traced det_matmul only when asked to
-    for cublas, det in zip(outs[0], outs[8]):
-        same = next((i for i, (a, b) in enumerate(zip(cublas, det)) if a != b), len(cublas))
-        assert same >= 8, (cublas, det)
+    for cublas, det in zip(first[0], first[8]):
+        assert torch.cosine_similarity(cublas, det, dim=0) > 0.999
+        assert (cublas - det).abs().max() <= 0.05 * cublas.abs().max()
 
 
 @pytest.mark.parametrize("spec", [["speculative=ngram"], ["speculative=layer_skip", "speculative.exit_layer=1"],
