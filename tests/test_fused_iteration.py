@@ -7,10 +7,12 @@ num_steps + 1 verify tokens) finishes greedily inside itself."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from framework import LLM
 from framework.batch import ForwardBatch, ForwardMode
+from framework.speculative import fused_iteration
 from framework.speculative.fused_iteration import FusedIteration
 from tests.conftest import TINY
 from tests.test_speculative_lossless import DRAFTERS, PROMPTS
@@ -53,12 +55,14 @@ def fused_llm(extra: tuple[str, ...] | list[str] = ()) -> tuple[LLM, dict]:
     return llm, calls
 
 
-def test_greedy_batches_finish_inside_the_program_with_plain_tokens():
+@pytest.mark.parametrize("inside", [True, False])
+def test_greedy_batches_finish_inside_the_program_with_plain_tokens(monkeypatch, inside):
+    monkeypatch.setattr(fused_iteration, "GREEDY_FINISH", inside)  # (False: the finish a program of its own)
     plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=4"]).generate(greedy_items(6))]
     llm, calls = fused_llm()
     outs = llm.generate(greedy_items(6))
     assert [o.token_ids for o in outs] == plain
-    assert calls["greedy_finish"] == 0
+    assert (calls["greedy_finish"] == 0) == inside
     assert sum(o.spec["num_verify_steps"] for o in outs) < sum(len(o.token_ids) for o in outs)  # drafts accepted
     llm.engine.allocator.assert_all_free()
 

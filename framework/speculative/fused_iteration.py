@@ -27,6 +27,10 @@ from framework.speculative.adaptive_v2 import width_programs
 if TYPE_CHECKING:
     from framework.speculative.worker_v2 import SpecV2Worker
 
+# the greedy finish inside the program (False: every batch's finish is a program of its own, as before 7f301c5); a
+# constant so that bench/knobs.py --set can compare the two in one commit
+GREEDY_FINISH = True
+
 
 class FusedIteration:
     """The compiled prepare-and-verify programs of one :class:`SpecV2Worker`, a program per width; :meth:`applies`
@@ -54,8 +58,8 @@ class FusedIteration:
         """Queue prepare, the TARGET_VERIFY forward and the greedy finish of the requests ``rows`` ``[bs]`` (padded)
         at ``q`` verify tokens each: (tokens, valid ``[bs, q]``, logits ``[bs * q, vocab]``, sampling steps ``[bs]``,
         the greedy finish's result, which counts only where ``all_greedy``: otherwise the token history is left for
-        the sampling finish); the caller has marked the CUDA-graph step."""
-        if all_greedy != self._greedy_now:  # (a fill on the device, queued; only when the batch's kind changes)
+        the sampling finish; None without ``GREEDY_FINISH``); the caller has marked the CUDA-graph step."""
+        if GREEDY_FINISH and all_greedy != self._greedy_now:  # (a fill on the device, queued; on a change only)
             self._greedy.fill_(all_greedy)
             self._greedy_now = all_greedy
         torch._dynamo.maybe_mark_dynamic(rows, 0)
@@ -69,4 +73,5 @@ class FusedIteration:
         meta = runner.backend.uniform_metadata(slots.reshape(-1), rows, seq_lens, q)
         logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits, _hidden = runner.model(input_ids, positions, meta, logits_index, None)
-        return tokens, valid, logits, steps, w._finish_greedy(rows, tokens, valid, logits, self._greedy)
+        greedy = w._finish_greedy(rows, tokens, valid, logits, self._greedy) if GREEDY_FINISH else None
+        return tokens, valid, logits, steps, greedy
