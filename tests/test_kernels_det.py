@@ -214,11 +214,29 @@ def test_cpu_matmul_and_norm_rows_invariant() -> None:
     assert_rows_invariant(lambda x: det_rmsnorm(x, weight, 1e-5), row, 576, [2, 8, 300], "cpu", torch.float32)
 
 
+def test_min_programs_narrows_small_weights_tiles_only(monkeypatch) -> None:
+    """``MIN_PROGRAMS``: a small weight's tile narrows (BLOCK_N down to 16) until it has that many programs; a large
+    weight's tile, and every tile with the knob off, stay as the class gives them (a choice by shape only)."""
+    smol = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    llama8b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    classes = {s: det_matmul_module.cuda_tile(*s) for s in [*smol.values(), *llama8b]}
+    monkeypatch.setattr(det_matmul_module, "MIN_PROGRAMS", 48)
+    for n, k in llama8b:
+        assert det_matmul_module.cuda_tile(n, k) == classes[n, k]
+    for n, k in smol.values():
+        tile, base = det_matmul_module.cuda_tile(n, k), classes[n, k]
+        assert tile[:1] + tile[2:] == base[:1] + base[2:] and 16 <= tile[1] <= base[1]
+        programs = -(-n // tile[1]) * (tile[6] if len(tile) > 6 else 1)
+        assert programs >= 48 or tile[1] == 16
+    assert [det_matmul_module.cuda_tile(*s)[1] for s in smol.values()] == [16, 16, 64, 32]
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-@pytest.mark.parametrize("tile", [None, (16, 64, 128, 4, 3, True), (16, 32, 256, 4, 3, False, 4)],
-                         ids=["default_tiles", "w_first", "split4"])
+@pytest.mark.parametrize("tile", [None, (16, 64, 128, 4, 3, True), (16, 32, 256, 4, 3, False, 4),
+                                  (16, 16, 256, 4, 4, True, 1)],
+                         ids=["default_tiles", "w_first", "split4", "narrow16"])
 def test_det_matmul_gpu_bf16(n: int, k: int, tile, monkeypatch) -> None:
     """The 8B model's linears in bf16: close to cuBLAS, and a row the same bits at 1..300 rows, where cuBLAS's is
     not (asserted for the record only when it shows); with the configured tiles, the operands swapped, and K split."""

@@ -50,6 +50,11 @@ CUDA_TILES: dict[str, tuple] = {
     "tall": (16, 128, 128, 4, 4, True, 4),  # down [4096, 14336]: 1.09x / 0.85x
     "vocab": (16, 64, 256, 4, 4, True, 1),  # lm_head [128256, 4096]: 0.84x / 0.92x
 }
+# Small weights (SmolLM2's: N of 576-3072) get few programs from the class's tile (9-24 on a 132-SM H100 at 8 rows):
+# with MIN_PROGRAMS > 0 a tile's BLOCK_N halves (down to 16) until ceil(N / BLOCK_N) * split_k reaches it. Still a
+# choice by the weight's shape alone (batch-invariant); 48 leaves every Llama-3-8B tile as it is. 0: off, until timed
+# (`bench/profile_gpu_decode.py ... --set tfs_kernels.det_matmul.MIN_PROGRAMS=48`).
+MIN_PROGRAMS = 0
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
@@ -168,8 +173,13 @@ def _det_matmul_reduce_kernel(Partial, Out, Residual, M, N, stride_om, stride_rm
 
 
 def cuda_tile(n: int, k: int) -> tuple:
-    """The CUDA tile of a ``[N, K]`` weight: by its shape class, never by the row count."""
-    return CUDA_TILES.get(launch_class(1, n, k), CUDA_TILE)
+    """The CUDA tile of a ``[N, K]`` weight: by its shape class (and with ``MIN_PROGRAMS`` its size), never by the
+    row count."""
+    tile = CUDA_TILES.get(launch_class(1, n, k), CUDA_TILE)
+    block_n, split_k = tile[1], (tile[6] if len(tile) > 6 else 1)
+    while MIN_PROGRAMS and block_n > 16 and -(-n // block_n) * split_k < MIN_PROGRAMS:
+        block_n //= 2
+    return tile[:1] + (block_n,) + tile[2:]
 
 
 @torch.library.custom_op("tfs::det_matmul", mutates_args=())
