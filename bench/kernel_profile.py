@@ -26,6 +26,15 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def kernel_times(prof) -> tuple[list, dict[str, list[float]]]:
+    """A finished torch.profiler run's CUDA kernel events, and each kernel name's durations (us)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_name[e.name].append(e.time_range.elapsed_us())
+    return kernels, per_name
+
+
 def profile_kernels(work: Callable[[], int], top: int) -> dict:
     """Run ``work`` (it returns how many iterations it ran) under torch.profiler (CUDA activity only) -> wall us,
     kernel us and GPU busy us per iteration, busy share, and the ``top`` kernels by time: (name, calls per
@@ -38,10 +47,7 @@ def profile_kernels(work: Callable[[], int], top: int) -> dict:
         iterations = work()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        per_name[e.name].append(e.time_range.elapsed_us())
+    kernels, per_name = kernel_times(prof)
     n = max(iterations, 1)
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
     ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]

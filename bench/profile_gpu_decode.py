@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_gpu_decode import decode_setup, forward_times_ms  # noqa: E402
 from tfs_kernels.gemv import PREFETCH_CHOICES  # noqa: E402
+from kernel_profile import kernel_times  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
 GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
@@ -95,10 +96,7 @@ def main() -> None:
             for _ in range(args.reps):
                 engine.runner.forward(batch)
             torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        per_name[e.name].append(e.time_range.elapsed_us())
+    kernels, per_name = kernel_times(prof)
     if not kernels:  # this torch's profiler did not expose device events one by one: fall back to its own table
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
         return
