@@ -63,8 +63,10 @@ def main() -> None:
                     help="print the compiles finished so far this often (0: never)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every engine (after --)")
     args = ap.parse_args()
-    from torch._dynamo.utils import get_compilation_metrics
+    from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
 
+    set_compilation_metrics_limit(1 << 16)  # (64 by default: an adaptive engine compiles more, and indexing from
+    # `since` into a full deque would read nothing)
     for spec in args.engines:
         drafter, *own = spec.split(",")
         overrides = list(args.extra) + ([] if drafter == "none" else [f"speculative={drafter}"]) + own

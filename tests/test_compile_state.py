@@ -72,9 +72,7 @@ def _graph_nodes() -> int:
 
 @pytest.mark.gpu
 def test_second_engine_in_a_process_records_its_own_graphs_and_gives_the_same_tokens():
-    from tests.test_gpu import cuda_overrides
-
-    from torch._dynamo.utils import get_compilation_metrics
+    from tests.test_gpu import compile_names, cuda_overrides, forget_compiles
 
     config = cuda_overrides("model=smollm2_135m_random", "model.arch.num_layers=4", "attention=triton",
                             "scheduler.max_running_requests=2", "compile.batch_sizes=[1,2]")
@@ -82,9 +80,9 @@ def test_second_engine_in_a_process_records_its_own_graphs_and_gives_the_same_to
             {"prompt": "def main():", "max_tokens": 16, "ignore_eos": True}]
     runs = []
     for _ in range(2):
-        since = len(list(get_compilation_metrics()))
+        forget_compiles()
         llm = LLM(config)
-        compiles = len(list(get_compilation_metrics())) - since
+        compiles = len(compile_names())
         tokens = [o.token_ids for o in llm.generate(reqs)]
         runs.append((compiles, tokens, _graph_nodes()))
         llm.close()

@@ -22,6 +22,19 @@ def cuda_overrides(*extra: str) -> list[str]:
     return ["model.device=cuda", *([f"model.tokenizer={tok}"] if tok else []), *extra]
 
 
+def compile_names() -> list[str]:
+    """The code names dynamo compiled since :func:`forget_compiles`."""
+    return [m.co_name for m in torch._dynamo.utils.get_compilation_metrics()]
+
+
+def forget_compiles() -> None:
+    """Empties dynamo's record of compilations and lifts its bound (a deque of 64 entries: after earlier tests'
+    engines it is full, and counting from an index into it reads nothing), so that :func:`compile_names` lists what
+    runs next."""
+    torch._dynamo.utils.set_compilation_metrics_limit(1 << 16)
+    torch._dynamo.utils.clear_compilation_metrics()
+
+
 @pytest.fixture(autouse=True)
 def no_tf32():
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

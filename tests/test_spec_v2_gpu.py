@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from framework import LLM
-from tests.test_gpu import cuda_overrides
+from tests.test_gpu import compile_names, cuda_overrides, forget_compiles
 from tests.test_overlap import PROMPTS, items
 
 pytestmark = pytest.mark.gpu
@@ -90,12 +90,10 @@ def test_startup_compiles_the_model_once_per_verify_width():
     sampling and top-k / top-p batches share it; their finishes are small programs of their own, compiled once for
     every width), and once for every batch size (size 1 runs padded to 2, so dynamo's size-1 specialisation never
     compiles it again)."""
-    from torch._dynamo.utils import get_compilation_metrics
-
-    since = len(list(get_compilation_metrics()))
+    forget_compiles()
     llm = LLM(cuda_overrides(*BASE, "compile.batch_sizes=[1,2,4]"))
     assert llm.engine.spec_worker._fused is not None and llm.engine.spec_worker.padded_size(1, 5) == 2
-    names = [m.co_name for m in list(get_compilation_metrics())[since:]]
+    names = compile_names()
     assert names.count("_verify_logits_q5") == 1, names
     # the greedy finish is part of the prepare-and-verify program; the sampling finish a program of its own
     assert names.count("_finish_greedy") == 0 and names.count("_finish_sampling") == 1, names
@@ -126,7 +124,7 @@ def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
     from tests.test_adaptive_v2 import CycleDepths
 
     common = (*BASE, "model.dtype=float32", "compile.batch_sizes=[1,2]", "speculative.adaptive=true")
-    since = len(list(torch._dynamo.utils.get_compilation_metrics()))
+    forget_compiles()
     llm = LLM(cuda_overrides(*common))
     worker = llm.engine.spec_worker
     assert llm.engine.spec_version == "v2" and worker.graphs and worker._fused is not None
@@ -144,7 +142,7 @@ def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
     assert {bs for bs, _ in worker.adaptive.cost} == {1, 2, 3, 4}
     # a finish is compiled for widths and batch sizes of 2 and more, for width 2 (the size-1 drafts), and for width
     # 1 (plain steps) at batch sizes 1 and 2: not once per width and batch size
-    names = [m.co_name for m in list(torch._dynamo.utils.get_compilation_metrics())[since:]]
+    names = compile_names()
     assert names.count("_finish_greedy") <= 4 and names.count("_finish_sampling") <= 4, names
     llm.engine.allocator.assert_all_free()
     v1 = LLM(cuda_overrides(*common, "speculative.version=v1"))
