@@ -36,9 +36,10 @@ FUSED_MAX_ROWS = 1
 # Compiled uniform forwards of 2 to this many token rows on CUDA (a small batch's decode, a batch-1 verify) run each
 # layer as the deterministic mode's four tfs::det_matmul launches (tensor-core tiles per weight-shape class, the
 # norms, residual adds and SiLU-mul folded in) and the LM head through it too, while attention stays the backend's
-# default kernels: an experiment for the latency-bound few-row forwards (cuBLAS plus inductor's elementwise kernels:
-# 305 kernels for SmolLM2 at batch 8); 0: off. Not batch-invariant (one row still takes tfs::gemv).
-DET_MAX_ROWS = 0
+# default kernels, instead of cuBLAS plus inductor's elementwise kernels (305 kernels for SmolLM2 at batch 8, 245
+# this way). H100: SmolLM2's batch-8 decode forward 886 -> 787 us; the Llama-3-8B shape's batch-1 n-gram verify
+# iteration (5 rows) 1.09x a plain step (docs/PERFORMANCE.md). 0: off. Not batch-invariant (one row takes tfs::gemv).
+DET_MAX_ROWS = 8
 
 
 @dataclass
