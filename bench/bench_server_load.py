@@ -10,7 +10,12 @@ client), each sending ``--requests`` requests one after another: completions and
 ``max_tokens`` each with ``ignore_eos`` so every request generates exactly that many tokens. Prints requests/s,
 generated tokens/s (completion tokens over the wall time from the first request to the last answer) and latency
 percentiles; ``--json PATH`` also writes them. ``--offline`` also runs the same requests through ``LLM.generate``
-in-process (no HTTP, all submitted at once) as the engine's ceiling. ``--rounds N`` runs the load (and the offline
+in-process (no HTTP, all submitted at once) as the engine's ceiling, and the same requests fed as the clients
+feed the server, without HTTP (each of ``--clients`` lanes submits its next request when its previous one has
+finished): server / that closed loop is what HTTP, streaming and the engine process cost; the closed loop / all
+at once is what the clients' one-at-a-time sending costs (a slot idle between requests, prefills in steps of their
+own). ``--profile N`` runs the server's engine loop (``run.profile``) and the offline closed loop under cProfile
+and prints, per engine step, the host's time in each and the top N functions of each. ``--rounds N`` runs the load (and the offline
 reference) N times on the same server (engine) and reports the round with the median tokens/s beside every round's
 tokens/s: a load of a few seconds on a GPU varies between runs.
 """
@@ -19,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -100,14 +108,56 @@ async def run_load(url: str, model: str, clients: int, per_client: int, max_toke
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None}
 
 
-def run_offline(overrides: list[str], requests: int, max_tokens: int, rounds: int = 1) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` in this process, all submitted at once: the engine's ceiling
-    (the median of ``rounds`` runs on one engine)."""
+def closed_loop(engine: Any, items: list[dict[str, Any]], clients: int) -> int:
+    """``items`` through ``engine`` as the load's clients send them: client ``c`` sends its items (``items[c * n:
+    (c + 1) * n]``) one at a time, each submitted as soon as the step that finishes the previous one returns;
+    returns the tokens generated."""
+    per_client = len(items) // clients
+    todo = [list(items[c * per_client:(c + 1) * per_client]) for c in range(clients)]
+    lane: dict[int, int] = {}
+
+    def send(c: int) -> None:
+        if todo[c]:
+            req = engine.make_request(todo[c].pop(0), rid=f"lane{c}-{len(todo[c])}")
+            lane[id(req)] = c
+            engine.submit(req)
+
+    for c in range(clients):
+        send(c)
+    tokens = 0
+    while engine.has_work():
+        for req in engine.step():
+            tokens += len(req.output_ids)
+            send(lane.pop(id(req)))
+    return tokens
+
+
+def print_profile(stats: pstats.Stats, title: str, top: int) -> None:
+    """The host's time per engine step (``Engine.step`` calls) and the ``top`` functions by own time."""
+    raw = stats.stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    steps = sum(v[1] for k, v in raw.items() if k[0].endswith(os.path.join("framework", "engine.py"))
+                and k[2] == "step") or 1
+    idle = [k for k in raw if "SimpleQueue" in k[2]]  # the loop waiting for a request while it has no work
+    total = sum(v[2] for k, v in raw.items() if k not in idle)
+    print(f"\n{title}: {steps} engine steps, {1e6 * total / steps:.0f} us of profiled host time a step (waits for "
+          f"requests while idle left out: {sum(raw[k][2] for k in idle):.2f} s)")
+    print("function | calls a step | own us a step")
+    busy = sorted(((k, v) for k, v in raw.items() if k not in idle), key=lambda kv: -kv[1][2])
+    for (file, line, name), v in busy[:top]:
+        where = f"{os.path.basename(file)}:{line}({name})" if line else name
+        print(f"{where} | {v[1] / steps:.2f} | {1e6 * v[2] / steps:.1f}")
+
+
+def run_offline(overrides: list[str], clients: int, per_client: int, max_tokens: int, rounds: int = 1,
+                profile: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same requests in this process, without HTTP (the median of ``rounds`` runs on one engine): through
+    ``LLM.generate``, all submitted at once (the engine's ceiling), and in the clients' closed loop
+    (:func:`closed_loop`)."""
     sys.path.insert(0, ROOT)
     from framework import LLM
 
     llm = LLM(overrides)
-    items = []
+    items, requests = [], clients * per_client
     for i in range(requests):
         item: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True}
         if i % 3 == 2:
@@ -116,14 +166,23 @@ def run_offline(overrides: list[str], requests: int, max_tokens: int, rounds: in
             item["prompt"] = PROMPTS[i % len(PROMPTS)]
         items.append(item)
     llm.generate(items[:4])  # warm-up
-    runs = []
+    runs: dict[str, list[dict[str, Any]]] = {"at_once": [], "closed_loop": []}
+    profiler = cProfile.Profile() if profile else None
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        tokens = sum(len(o.token_ids) for o in llm.generate(items))
-        wall = time.perf_counter() - t0
-        runs.append({"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
-                     "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)})
-    return median_round(runs)
+        for kind, run in (("at_once", lambda: sum(len(o.token_ids) for o in llm.generate(items))),
+                          ("closed_loop", lambda: closed_loop(llm.engine, items, clients))):
+            t0 = time.perf_counter()
+            if profiler is not None and kind == "closed_loop":
+                tokens = profiler.runcall(run)
+            else:
+                tokens = run()
+            wall = time.perf_counter() - t0
+            runs[kind].append({"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
+                               "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)})
+    llm.engine.allocator.assert_all_free()
+    if profiler is not None:
+        print_profile(pstats.Stats(profiler), "offline closed loop (the profiler's cost included)", profile)
+    return median_round(runs["at_once"]), median_round(runs["closed_loop"])
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -145,14 +204,18 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--offline", action="store_true",
                         help="also run the same requests through LLM.generate in-process (no HTTP), for reference")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the server's engine loop and the offline closed loop; print their top N")
     parser.add_argument("overrides", nargs="*", help=f"Hydra overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be at least 1")
     proc = None
     url = args.url
+    profile_path = os.path.join(tempfile.mkdtemp(), "engine.prof") if args.profile and url is None else None
     if url is None:
-        proc, url = start_server(args.overrides or DEFAULT_OVERRIDES)
+        proc, url = start_server((args.overrides or DEFAULT_OVERRIDES)
+                                 + ([f"run.profile={profile_path}"] if profile_path else []))
     try:
         model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("TFS_API_KEY", "none")).models.list()
         model_id = model.data[0].id
@@ -162,7 +225,10 @@ def main() -> None:
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(30)
+            proc.wait(60)
+    if profile_path is not None and os.path.exists(profile_path):  # (written when the server stops)
+        print_profile(pstats.Stats(profile_path), "server engine loop (warm-up, every round; the profiler's cost "
+                      "included)", args.profile)
     result["model"] = model_id
     print(f"\n{'clients':>8} {'requests':>9} {'tokens':>7} {'wall s':>7} {'req/s':>7} {'tok/s':>8} "
           f"{'p50 s':>6} {'p99 s':>6} {'ttft p50':>9}")
@@ -172,13 +238,17 @@ def main() -> None:
     if args.rounds > 1:
         print(f"(the median of {args.rounds} rounds; tok/s of each: {result['rounds_tokens_per_s']})")
     if args.offline:
-        ref = run_offline(args.overrides or DEFAULT_OVERRIDES, args.clients * args.requests, args.max_tokens,
-                          args.rounds)
-        result["offline"] = ref
-        print(f"offline LLM.generate, all {ref['requests']} requests at once: {ref['requests_per_s']:.1f} req/s, "
-              f"{ref['tokens_per_s']:.1f} tok/s ({ref['output_tokens']} tokens in {ref['wall_s']:.2f} s)"
-              + (f"; tok/s of each round: {ref['rounds_tokens_per_s']}" if args.rounds > 1 else ""))
-        print(f"server / offline: {result['tokens_per_s'] / ref['tokens_per_s']:.3f}")
+        ref, loop = run_offline(args.overrides or DEFAULT_OVERRIDES, args.clients, args.requests, args.max_tokens,
+                                args.rounds, args.profile)
+        result["offline"], result["offline_closed_loop"] = ref, loop
+        for what, r in ((f"all {ref['requests']} requests at once", ref),
+                        (f"{args.clients} lanes of {args.requests} requests one after another", loop)):
+            print(f"offline, {what}: {r['requests_per_s']:.1f} req/s, {r['tokens_per_s']:.1f} tok/s "
+                  f"({r['output_tokens']} tokens in {r['wall_s']:.2f} s)"
+                  + (f"; tok/s of each round: {r['rounds_tokens_per_s']}" if args.rounds > 1 else ""))
+        print(f"server / offline: {result['tokens_per_s'] / ref['tokens_per_s']:.3f}; server / closed loop: "
+              f"{result['tokens_per_s'] / loop['tokens_per_s']:.3f}; closed loop / offline: "
+              f"{loop['tokens_per_s'] / ref['tokens_per_s']:.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -163,7 +163,7 @@ def test_a_stream_that_falls_behind_gets_what_piled_up_in_one_chunk():
     import asyncio
 
     from framework.server.app import stream_events
-    from framework.server.loop import Event
+    from framework.server.events import Event
     from framework.server.protocol import APIError, ParsedRequest
 
     async def chunks(events: list[Event]) -> list[dict]:
@@ -470,3 +470,21 @@ def test_speculation_v2_serves_the_offline_text(tiny_llm):
             stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stream=True)
             assert "".join(chunk.choices[0].text for chunk in stream) == ref.text
         srv.loop.engine.allocator.assert_all_free()
+
+
+def test_run_profile_writes_the_serving_loops_stats_when_the_server_stops(tmp_path):
+    """run.profile: the engine's serving loop runs under cProfile; its pstats file, written at shutdown, holds the
+    engine steps that served the requests."""
+    import pstats
+
+    path = tmp_path / "engine.prof"
+    config = compose(TINY + ["run=server", "run.engine_process=off", f"run.profile={path}"])
+    with ServerThread(config) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=6,
+                                   extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 6
+        assert not path.exists()  # written when the loop ends
+    steps = [v[1] for k, v in pstats.Stats(str(path)).stats.items()  # type: ignore[attr-defined]
+             if k[0].endswith(os.path.join("framework", "engine.py")) and k[2] == "step"]
+    assert steps and steps[0] >= 6

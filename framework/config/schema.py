@@ -196,6 +196,8 @@ class RunConfig:
     served_model_name: Optional[str] = None  # the model id in /v1/models (default: model.name)
     # auto | on | off: the engine loop in a process of its own, apart from the HTTP side (auto: on for CUDA)
     engine_process: str = "auto"
+    # a path: the engine's serving loop runs under cProfile, its stats written there (pstats) when the server stops
+    profile: Optional[str] = None
 
 
 @dataclass

@@ -20,7 +20,8 @@ from starlette.requests import ClientDisconnect
 
 from framework.config import SamplingConfig
 from framework.server import protocol, responses
-from framework.server.loop import EngineLoop, Event
+from framework.server.events import Event
+from framework.server.loop import EngineLoop
 from framework.server.protocol import APIError, ParsedRequest
 
 

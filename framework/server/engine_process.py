@@ -35,7 +35,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from framework.config import Config
 from framework.request import Request
 from framework.request_parsing import parse_request
-from framework.server.loop import AsyncioSink, EngineLoop, Event
+from framework.server.events import AsyncioSink, Event
+from framework.server.loop import EngineLoop
 from framework.server.protocol import APIError, ParsedRequest, prepare_request
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def engine_main(config: Config, conn: Any, parent_pid: int) -> None:
         with lock:
             conn.send(message)
 
-    loop = EngineLoop(lambda: Engine(config))
+    loop = EngineLoop(lambda: Engine(config), profile=config.run.profile)
     try:
         loop.start()
     except BaseException as err:  # noqa: BLE001 - handed to the HTTP process, which raises it

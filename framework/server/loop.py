@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import cProfile
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from framework.parallel import TensorParallelError
 from framework.request import Request
+from framework.server.events import AbortRecord, AsyncioSink, Event, Sink
 from framework.server.metrics import ServerMetrics
 from framework.server.protocol import APIError, ParsedRequest, prepare_request
 from framework.server.stream import TextDeltas
@@ -37,48 +39,6 @@ log = logging.getLogger(__name__)
 # the load gauges (queue depth, running requests, KV usage, prefix-cache totals) are set at most this often while the
 # engine works: a scrape every few seconds needs no more, and setting them every step costs the engine thread time
 LOAD_INTERVAL_S = 0.05
-
-
-@dataclass
-class Event:
-    """What the loop tells a request's handler: "accepted", "delta" (streaming text), "finish" or "error"."""
-
-    kind: str
-    text: str = ""  # delta: the new text; finish: the rest of the text (streaming) or all of it
-    finish_reason: Optional[str] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: Optional[APIError] = None
-
-
-@dataclass
-class AbortRecord:
-    """A client-side abort: the loop's step count when it was asked for and when the KV was freed."""
-
-    rid: str
-    requested_at_step: int
-    freed_at_step: int
-    num_output_tokens: int
-
-
-class Sink(Protocol):
-    """Where a request's events go: ``deliver`` gets one iteration's (target, event) pairs of the requests that
-    share this sink, in order (called on the engine thread)."""
-
-    def deliver(self, items: list[tuple[Any, Event]]) -> None: ...
-
-
-@dataclass(frozen=True)
-class AsyncioSink:
-    """Events of requests whose handlers run on ``aloop``: each target is the handler's ``asyncio.Queue``."""
-
-    aloop: asyncio.AbstractEventLoop
-
-    def deliver(self, items: list[tuple[Any, Event]]) -> None:
-        try:
-            self.aloop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # that event loop is closed: its clients are gone
-            log.warning("dropping %d events for a closed event loop", len(items))
 
 
 @dataclass
@@ -106,16 +66,13 @@ class _Outbox:
         self.items.setdefault(sub.sink, []).append((sub.target, event))
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
-    for events, event in items:
-        events.put_nowait(event)
-
-
 class EngineLoop:
     """Runs ``build_engine()`` and then the serving loop in a background thread; see the module docstring."""
 
-    def __init__(self, build_engine: Callable[[], Any], metrics: Optional[ServerMetrics] = None) -> None:
+    def __init__(self, build_engine: Callable[[], Any], metrics: Optional[ServerMetrics] = None,
+                 profile: Optional[str] = None) -> None:
         self._build_engine = build_engine
+        self.profile = profile  # run.profile: a path for the serving loop's cProfile stats, written when it ends
         self.metrics = metrics or ServerMetrics()
         self.engine: Any = None
         self.num_steps = 0
@@ -193,6 +150,9 @@ class EngineLoop:
             self._ready.set()
             return
         self._ready.set()
+        profiler = cProfile.Profile() if self.profile else None
+        if profiler is not None:
+            profiler.enable()
         try:
             while self._take_commands(block=not self.engine.has_work()):
                 self._flush()
@@ -207,6 +167,10 @@ class EngineLoop:
         except BaseException:
             log.exception("the engine loop failed")
         finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(self.profile)
+                log.info("the serving loop's profile (%d steps): %s", self.num_steps, self.profile)
             self._shutdown()
             if self.fatal_error is not None and self.on_fatal is not None:
                 self.on_fatal(self.fatal_error)

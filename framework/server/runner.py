@@ -57,7 +57,7 @@ def build(config: Config, build_engine: Optional[Callable[[], Any]] = None) -> t
     if build_engine is None and use_engine_process(config):
         loop = EngineProcess(config)
     else:
-        loop = EngineLoop(build_engine or (lambda: Engine(config)))
+        loop = EngineLoop(build_engine or (lambda: Engine(config)), profile=config.run.profile)
     loop.start()
     run = config.run
     app = create_app(loop, run.served_model_name or config.model.name, config.sampling, run.api_key)
