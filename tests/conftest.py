@@ -1,4 +1,5 @@
-"""Shared fixtures: the KV-leak check after every test, GPU skipping, and cached engines."""
+"""Shared fixtures: the KV-leak check after every test, GPU skipping, cached engines, and the Triton-interpreter
+subprocesses started in the background."""
 
 from __future__ import annotations
 
@@ -39,6 +40,22 @@ def kv_slots_all_free():
         engine.allocator.check_invariants()
         if not engine.has_work():
             engine.allocator.assert_all_free()
+
+
+def pytest_collection_finish(session):
+    """Start the Triton-interpreter subprocesses of the collected tests in the background, one at a time beside
+    this process (tests/interpreted_runner.py): on a machine of two or more cores they run while the other tests do."""
+    from tests import interpreted_runner
+
+    if session.config.option.collectonly or (os.cpu_count() or 1) < 2:
+        return
+    interpreted_runner.start([job for item in session.items if (job := interpreted_runner.job_of(item)) is not None])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import interpreted_runner
+
+    interpreted_runner.stop()
 
 
 def pytest_collection_modifyitems(config, items):

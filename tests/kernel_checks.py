@@ -1,6 +1,6 @@
 """Shared by the kernel tests: paged KV fixtures (a shuffled ``req_to_token`` table, a random pool, a random tree
-mask), the split-K / extend attention checks against their references, and the runners that repeat a test module
-under the Triton interpreter or run ``torch.library.opcheck`` without it, each in a fresh process."""
+mask), the split-K / extend attention checks against their references, and the runner of ``torch.library.opcheck``
+without the interpreter, in a fresh process (the interpreter's runs of a test module: tests/interpreted_runner.py)."""
 
 from __future__ import annotations
 
@@ -103,12 +103,3 @@ def run_opcheck_without_interpreter(setup: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "opcheck ok" in proc.stdout, proc.stderr[-3000:]
-
-
-def run_interpreted(test_file: str, *pytest_args: str, timeout: int = 600) -> None:
-    """Run ``test_file``'s CPU tests in a fresh ``TRITON_INTERPRET=1`` process; fail with its report."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-m", "not gpu", *pytest_args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

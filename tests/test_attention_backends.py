@@ -22,7 +22,8 @@ from tests.conftest import TINY
 from tests.test_adaptive_v2 import CycleDepths
 from tests.test_attention_sdpa import run_case
 from tests.test_engine import PROMPTS
-from tests.kernel_checks import ROOT, run_interpreted
+from tests.kernel_checks import ROOT
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -117,8 +118,9 @@ def test_triton_speculative_greedy_equals_sdpa(spec, sdpa_outputs):
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
-def test_interpreted_triton_in_a_subprocess():
-    run_interpreted(__file__, "-k", "triton and not subprocess and not needs_cuda")
+@interpreted_subprocess("-k", "triton and not subprocess and not needs_cuda")
+def test_interpreted_triton_in_a_subprocess() -> None:
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 def test_triton_on_cpu_needs_cuda_one_line_exit_2():

@@ -24,7 +24,7 @@ from framework import LLM
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError
 from tests.helpers import run_token_prompts
-from tests.kernel_checks import run_interpreted
+from tests.interpreted_runner import interpreted_subprocess
 from tests.test_smollm2_golden import CHATS
 from tfs_kernels.dispatch import interpreter_active
 
@@ -194,5 +194,6 @@ def test_interpreted_kernels_token_logits_same_bits() -> None:
 
 
 @pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(), reason="interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted_kernels_identical or interpreted_kernels_token", timeout=900)
 def test_interpreted_kernels_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted_kernels_identical or interpreted_kernels_token", timeout=900)
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""

@@ -20,7 +20,7 @@ import torch
 from framework import LLM
 from framework.jobs.generate import metrics
 from tfs_kernels.dispatch import interpreter_active
-from tests.kernel_checks import run_interpreted
+from tests.interpreted_runner import interpreted_subprocess
 
 BASE = ["model=dsa_tiny", "compile=eager", "model.device=cpu"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog and then runs far away into the forest",
@@ -149,5 +149,6 @@ def test_nsa_equals_sdpa(reference, extra):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="interpreted tests run in this process")
-def test_nsa_interpreted_in_a_subprocess():
-    run_interpreted(__file__, "-k", "nsa_equals_sdpa", timeout=900)
+@interpreted_subprocess("-k", "nsa_equals_sdpa", timeout=900)
+def test_nsa_interpreted_in_a_subprocess() -> None:
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""

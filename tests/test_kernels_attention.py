@@ -19,7 +19,8 @@ from tfs_kernels.mask_bits import pack_mask_bits
 from tfs_kernels.split_kv_attention import split_policy, split_slots
 from tfs_kernels.store_kv import store_kv, store_kv_reference
 from tfs_kernels.verify_attention import verify_attention, verify_attention_reference
-from tests.kernel_checks import (check_extend, check_split_kv, paged_table, random_pool, run_interpreted,
+from tests.interpreted_runner import interpreted_subprocess
+from tests.kernel_checks import (check_extend, check_split_kv, paged_table, random_pool,
                                  run_opcheck_without_interpreter, tree_mask)
 
 INTERPRETED = interpreter_active()
@@ -255,8 +256,9 @@ def test_opcheck_fake_tensors_without_interpreter():
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
-def test_interpreted_kernels_in_a_subprocess():
-    run_interpreted(__file__, "-k", "not subprocess and not without_interpreter and not compiled_cpu_code")
+@interpreted_subprocess("-k", "not subprocess and not without_interpreter and not compiled_cpu_code")
+def test_interpreted_kernels_in_a_subprocess() -> None:
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU: native kernels ------------------------------------------------------------------------------------------

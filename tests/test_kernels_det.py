@@ -19,7 +19,8 @@ from tfs_kernels.det_matmul import det_matmul, det_matmul_reference
 from tfs_kernels.det_rmsnorm import det_rmsnorm, det_rmsnorm_reference
 from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.mask_bits import pack_mask_bits
-from tests.kernel_checks import paged_table, random_pool, run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import paged_table, random_pool, run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -194,8 +195,9 @@ def test_opcheck_reference_and_fake_kernel() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_det_kernels_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- the CPU's deterministic path: the references themselves -------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 
 from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.gemv import gemv, gemv_reference
-from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -144,8 +145,9 @@ def test_row_limit_and_fallback_interpreted(rows: int) -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_gemv_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.indexer_topk import (indexer_scores_reference, indexer_topk, indexer_topk_reference,
                                       launch_indexer_scores, select_topk)
 from tfs_kernels.radix_select import HIST_WIDTH, hist_view, launch_select, new_state
-from tests.kernel_checks import run_interpreted
+from tests.interpreted_runner import interpreted_subprocess
 from tests.test_kernels_nsa import check_indexer, check_topk, indexer_args
 
 INTERPRETED = interpreter_active()
@@ -116,8 +116,9 @@ def test_select_on_crafted_scores_interpreted() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_select_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.gemv import gemv
 from tfs_kernels.lm_head import lm_head, lm_head_applies, lm_head_reference
-from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -85,8 +86,9 @@ def test_opcheck_reference_and_fake_kernel() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_lm_head_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

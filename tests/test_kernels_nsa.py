@@ -20,7 +20,8 @@ from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.indexer_topk import (indexer_scores_reference, indexer_topk, indexer_topk_reference,
                                       launch_indexer_scores)
 from tfs_kernels.sparse_mla import sparse_mla_attention, sparse_mla_attention_reference
-from tests.kernel_checks import paged_table, run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import paged_table, run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -265,8 +266,9 @@ def test_opcheck_interpreted() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_nsa_kernels_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

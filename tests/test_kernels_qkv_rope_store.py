@@ -15,7 +15,8 @@ from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.gemv import gemv
 from tfs_kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies, qkv_rope_store_reference
 from tfs_kernels.rope_store import rope_store_kv
-from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 from tests.test_kernels_rope_store import rope_args
 
 INTERPRETED = interpreter_active()
@@ -82,8 +83,9 @@ def test_opcheck_reference_and_fake_kernel() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_qkv_rope_store_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

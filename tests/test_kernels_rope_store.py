@@ -15,7 +15,8 @@ import torch
 
 from tfs_kernels.dispatch import interpreter_active
 from tfs_kernels.rope_store import rope_store_kv, rope_store_kv_reference
-from tests.kernel_checks import run_interpreted, run_opcheck_without_interpreter
+from tests.kernel_checks import run_opcheck_without_interpreter
+from tests.interpreted_runner import interpreted_subprocess
 
 INTERPRETED = interpreter_active()
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests: run by the TRITON_INTERPRET=1 subprocess")
@@ -150,8 +151,9 @@ def test_compiled_cpu_code_runs_the_reference() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreted tests run in this process")
+@interpreted_subprocess("-k", "interpreted and not subprocess")
 def test_interpreted_rope_store_in_a_subprocess() -> None:
-    run_interpreted(__file__, "-k", "interpreted and not subprocess")
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from framework import LLM
 from tfs_kernels.dispatch import interpreter_active
-from tests.kernel_checks import run_interpreted
+from tests.interpreted_runner import interpreted_subprocess
 from tests.test_smollm2_golden import CHATS
 
 pytestmark = pytest.mark.slow
@@ -82,5 +82,6 @@ def test_triton_interpreted_equals_sdpa():
 
 
 @pytest.mark.skipif(interpreter_active() or torch.cuda.is_available(), reason="interpreted tests run in this process")
-def test_triton_interpreted_in_a_subprocess():
-    run_interpreted(__file__, "-k", "triton_interpreted_equals", timeout=900)
+@interpreted_subprocess("-k", "triton_interpreted_equals", timeout=900)
+def test_triton_interpreted_in_a_subprocess() -> None:
+    """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
