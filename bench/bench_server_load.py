@@ -15,9 +15,9 @@ feed the server, without HTTP (each of ``--clients`` lanes submits its next requ
 finished): server / that closed loop is what HTTP, streaming and the engine process cost; the closed loop / all
 at once is what the clients' one-at-a-time sending costs (a slot idle between requests, prefills in steps of their
 own). ``--profile N`` runs the server's engine loop (``run.profile``) and the offline closed loop under cProfile
-and prints, per engine step, the host's time in each and the top N functions of each. ``--rounds N`` runs the load (and the offline
-reference) N times on the same server (engine) and reports the round with the median tokens/s beside every round's
-tokens/s: a load of a few seconds on a GPU varies between runs.
+and prints, per engine step, the host's time in each and the top N functions of each. ``--rounds N`` runs the load
+(and the offline reference) N times on the same server (engine) and reports the round with the median tokens/s
+beside every round's tokens/s: a load of a few seconds on a GPU varies between runs.
 """
 
 from __future__ import annotations
