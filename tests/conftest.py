@@ -59,6 +59,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests import interpreted_runner
+
+    # the tests that wait for a Triton-interpreter subprocess go last, so that every subprocess has had the whole
+    # session to run in the background (pytest_collection_finish)
+    items.sort(key=lambda item: interpreted_runner.job_of(item) is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
