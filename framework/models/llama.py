@@ -37,8 +37,9 @@ FUSED_MAX_ROWS = 1
 # layer as the deterministic mode's four tfs::det_matmul launches (tensor-core tiles per weight-shape class, the
 # norms, residual adds and SiLU-mul folded in) and the LM head through it too, while attention stays the backend's
 # default kernels, instead of cuBLAS plus inductor's elementwise kernels (305 kernels for SmolLM2 at batch 8, 245
-# this way). H100: SmolLM2's batch-8 decode forward 886 -> 787 us; the Llama-3-8B shape's batch-1 n-gram verify
-# iteration (5 rows) 1.09x a plain step (docs/PERFORMANCE.md). 0: off. Not batch-invariant (one row takes tfs::gemv).
+# this way). H100: SmolLM2's batch-8 decode forward 886 -> 787 us; with it and the fused greedy finish (not timed
+# apart) the Llama-3-8B shape's batch-1 n-gram iteration (a 5-row verify) costs 1.09x a plain step, 1.19x before
+# (docs/PERFORMANCE.md). 0: off. Not batch-invariant (one row takes tfs::gemv).
 DET_MAX_ROWS = 8
 
 
