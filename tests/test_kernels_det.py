@@ -221,6 +221,8 @@ def test_min_programs_narrows_small_weights_tiles_only(monkeypatch) -> None:
     weight's tile, and every tile with the knob off, stay as the class gives them (a choice by shape only)."""
     smol = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
     llama8b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    assert det_matmul_module.MIN_PROGRAMS == 48  # the default (timed on SmolLM2, docs/KERNELS.md)
+    monkeypatch.setattr(det_matmul_module, "MIN_PROGRAMS", 0)
     classes = {s: det_matmul_module.cuda_tile(*s) for s in [*smol.values(), *llama8b]}
     monkeypatch.setattr(det_matmul_module, "MIN_PROGRAMS", 48)
     for n, k in llama8b:

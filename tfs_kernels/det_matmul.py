@@ -52,9 +52,9 @@ CUDA_TILES: dict[str, tuple] = {
 }
 # Small weights (SmolLM2's: N of 576-3072) get few programs from the class's tile (9-24 on a 132-SM H100 at 8 rows):
 # with MIN_PROGRAMS > 0 a tile's BLOCK_N halves (down to 16) until ceil(N / BLOCK_N) * split_k reaches it. Still a
-# choice by the weight's shape alone (batch-invariant); 48 leaves every Llama-3-8B tile as it is. 0: off, until timed
-# (`bench/profile_gpu_decode.py ... --set tfs_kernels.det_matmul.MIN_PROGRAMS=48`).
-MIN_PROGRAMS = 0
+# choice by the weight's shape alone (batch-invariant); 48 leaves every Llama-3-8B tile as it is (SmolLM2's batch-8
+# forward on an H100: 757 against 788 us; the BLOCK_N-16 tile passes tests/test_kernels_det.py's "narrow16"). 0: off.
+MIN_PROGRAMS = 48
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
