@@ -363,6 +363,7 @@ def test_idle_engine_loop_sleeps(server):
 
 def test_metrics_endpoint(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    wait_idle(server)
     text = httpx.get(server.url + "/metrics").text
     samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if not s.labels}
@@ -373,6 +374,14 @@ def test_metrics_endpoint(server, client):
     for name in ("tfs_queue_depth", "tfs_running_requests", "tfs_kv_usage_ratio", "tfs_spec_mean_accept_length"):
         assert name in samples
     assert samples["tfs_spec_mean_accept_length"] == 0.0  # no speculation here
+    # a prefill and 4 decodes at least; every step the loop ran, counted once it went idle (the loop updates its
+    # gauges just after its last step: read again until it has)
+    deadline = time.monotonic() + 5
+    while samples["tfs_engine_steps_total"] != server.loop.num_steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+        samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+                   for s in fam.samples if not s.labels}
+    assert samples["tfs_engine_steps_total"] == server.loop.num_steps >= 5
 
 
 def test_prefix_cache_metrics(server, client, tiny_llm):

@@ -270,6 +270,7 @@ class EngineLoop:
         if self.engine.has_work() and now - self._load_updated < LOAD_INTERVAL_S:
             return
         self._load_updated = now
+        self.metrics.set_steps(self.num_steps)
         scheduler, allocator = self.engine.scheduler, self.engine.allocator
         total = allocator.num_pages * allocator.page_size
         self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),

@@ -48,6 +48,8 @@ class ServerMetrics:
                                       "included)", registry=r)
         self.cache_usage = Gauge("tfs_prefix_cache_usage_ratio", "Fraction of KV cache slots in pages the prefix "
                                  "cache holds", registry=r)
+        self.engine_steps = Counter("tfs_engine_steps", "Engine steps run (each one forward of the target model: a "
+                                    "prefill, a decode or a speculative iteration)", registry=r)
         self.spec_steps = Counter("tfs_spec_verify_steps", "Speculative verify steps of ended requests", registry=r)
         self.spec_accepted = Counter("tfs_spec_accepted_tokens", "Tokens emitted by verify steps of ended requests "
                                      "(accepted drafts plus the bonus token)", registry=r)
@@ -62,6 +64,7 @@ class ServerMetrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self._lock = threading.Lock()
         self._spec_totals = [0, 0]  # verify steps, accepted tokens
+        self._steps_counted = 0  # engine steps the counter holds
         self._cache_totals = (0, 0, 0)  # prompt tokens, cached prompt tokens, prefilled tokens: the scheduler's last
         self.tokens_per_s.set_function(self._tokens_per_s)
 
@@ -96,6 +99,12 @@ class ServerMetrics:
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_usage.set(kv_usage)
+
+    def set_steps(self, steps: int) -> None:
+        """The engine loop's step count so far (the counter advances by the difference)."""
+        if steps > self._steps_counted:
+            self.engine_steps.inc(steps - self._steps_counted)
+            self._steps_counted = steps
 
     def set_prefix_cache(self, prompt_tokens: int, cached_tokens: int, prefill_tokens: int,
                          cache_usage: float) -> None:
