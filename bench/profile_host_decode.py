@@ -73,7 +73,7 @@ def main() -> None:
             ("compiled call on a padded batch", lambda: (torch.compiler.cudagraph_mark_step_begin(),
                                                          runner._compiled_forward(padded.input_ids, padded.positions,
                                                                                   padded.attn, padded.logits_index,
-                                                                                  None, writes)))]
+                                                                                  None, writes, runner.greedy_in_graph)))]
     for _ in range(3):
         runner.forward(batch)
     for skip in (False, True) if args.skip_guards else (False,):

@@ -258,7 +258,8 @@ class Engine:
         tokens go to ``runner.next_tokens`` (for the next step's inputs) and, without blocking, to the host."""
         batch = self.scheduler.build_batch(step)
         logits, hidden = self.runner.forward(batch)
-        tokens = sample(logits, batch.sampling)
+        greedy = self.runner.take_greedy()  # (sampled inside the compiled graph, where it was)
+        tokens = greedy if greedy is not None and batch.sampling.all_greedy else sample(logits, batch.sampling)
         self.runner.next_tokens[batch.req_pool_indices] = tokens
         if step.mode is ForwardMode.EXTEND and self.spec_worker is not None:
             self.spec_worker.on_extend_launch(step, batch, hidden, tokens)

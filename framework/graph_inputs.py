@@ -11,9 +11,13 @@ import torch
 
 from framework.batch import ForwardBatch, ForwardMode
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
-from framework.transfer import upload
+from framework.transfer import PinnedStaging, upload
 
 ALIGN = 2  # int64 elements: every buffer of a StaticInputs starts on 16 bytes, as inductor assumes of its inputs
+# CUDA: StaticInputs.stage copies through a few pinned buffers of its own (transfer.PinnedStaging) instead of a
+# pin_memory() per step (timed together with model_runner.GREEDY_IN_GRAPH); a constant so that bench/knobs.py --set
+# can compare the two in one commit
+STAGING_RING = True
 
 
 def dummy_inputs_host(num_reqs: int, q_len: int, dummy_len: int) -> list[np.ndarray]:
@@ -65,6 +69,7 @@ class StaticInputs:
         for size in self.sizes:
             self.starts.append(self.starts[-1] + -(-size // ALIGN) * ALIGN)
         self.host = np.zeros(self.starts[-1], np.int64)  # the staging copy of the packed buffer
+        self.ring = PinnedStaging(self.starts[-1], torch.int64) if STAGING_RING and device.type == "cuda" else None
         self.packed = torch.zeros(self.starts[-1], dtype=torch.int64, device=device)
         self.buffers = [self.packed[a:a + size] for a, size in zip(self.starts, self.sizes)]
         self.logits_index = torch.arange(n, device=device)
@@ -103,8 +108,11 @@ class StaticInputs:
         # NOTE: through a pinned copy of self.host, without blocking: self.host is free again at once, and the
         # buffers are overwritten in stream order, after the graph launched before (which may still read them)
         with torch.inference_mode():  # the buffers may have been made in a forward, as inference tensors
-            host = torch.from_numpy(self.host)
-            self.packed.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+            if self.ring is not None:
+                self.ring.copy(self.packed, self.host)
+            else:
+                host = torch.from_numpy(self.host)
+                self.packed.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         self.staged = (bs, dummy_len)
         return [*(buf[:c] for buf, c in zip(self.buffers, cut)), self.logits_index[:cut[0]]]
 

@@ -23,6 +23,12 @@ from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
 
+# compiled forwards also return their logits' argmax (the greedy tokens), so that an all-greedy step samples inside
+# the graph instead of launching an eager argmax after it (ModelRunner.take_greedy). With graph_inputs.STAGING_RING:
+# SmolLM2-shaped plain decode on an H100, batch 1, 1751 / 1806 -> 1961 / 1966 tok/s, batch 8 even (docs/PERFORMANCE.md).
+# A constant so that bench/knobs.py --set can compare the two in one commit
+GREEDY_IN_GRAPH = True
+
 
 def resolve_future_tokens(input_ids: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
     """``input_ids`` with each placeholder ``-1 - row`` replaced by ``next_tokens[row]``: the token that a launched
@@ -92,6 +98,8 @@ class ModelRunner:
         # tensor parallelism, rank 0 (framework/parallel/leader.py): every forward and K/V copy is broadcast to the
         # other ranks first; None: one process (and on the other ranks, which follow)
         self.tp: Any = None
+        self.greedy_in_graph = GREEDY_IN_GRAPH and compiled
+        self._greedy: Optional[torch.Tensor] = None  # the last forward's in-graph argmax (take_greedy)
         self._compiled_forward = None
         self._compiled_extend = None  # EXTEND (ragged prefill): inductor with dynamic sizes, no CUDA graphs
         if compiled:
@@ -114,8 +122,10 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  logits_index: torch.Tensor, extra: Any = None,
-                 slot_writes: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states).
+                 slot_writes: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Logits, hidden states, and with ``greedy`` the logits' argmax ``[rows]`` (else None).
+        ``extra``: the model's extra input (a Llama's layer subset, an EAGLE head's input hidden states).
         ``slot_writes``: (req_pool_indices ``[bs]``, out_cache_loc ``[bs]``) of a batch of one token per request whose
         slots are not in the device's ``req_to_token`` yet (``ForwardBatch.write_slots``): written before attention
         reads the table."""
@@ -123,9 +133,10 @@ class ModelRunner:
             rows, slots = slot_writes
             self.req_to_token[rows, positions] = slots
         input_ids = resolve_future_tokens(input_ids, self.next_tokens)
-        return self.model(input_ids, positions, meta, logits_index, extra)
+        logits, hidden = self.model(input_ids, positions, meta, logits_index, extra)
+        return logits, hidden, (torch.argmax(logits, dim=-1) if greedy else None)
 
-    def _extend_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _extend_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`_forward` under a code object of its own, so that dynamo keeps its compiled entries apart from
         the CUDA-graph ones."""
         return self._forward(*args)
@@ -214,6 +225,7 @@ class ModelRunner:
             pool.v[layer][index[1]] = pool.v[layer][index[0]]
 
     def _forward_batch(self, batch: ForwardBatch, layer_ids: Any, new_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self._greedy = None
         extra = batch.hidden_in if batch.hidden_in is not None else layer_ids
         # a staged batch's new slots: written inside the forward where the backend reads the table there, else
         # now, before its metadata gathers from the table
@@ -228,7 +240,9 @@ class ModelRunner:
                 forward = self._compiled_extend
             writes = (batch.req_pool_indices, batch.out_cache_loc) if in_forward else None
             with guarded_if_skipping():  # (a backend may compile parts of its eager path)
-                return forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra, writes)
+                logits, hidden, _ = forward(batch.input_ids, batch.positions, batch.attn, batch.logits_index, extra,
+                                            writes)
+            return logits, hidden
         padded = self.pad(batch) if graph_shape is None else pad_extend(batch, *graph_shape, self.extend_graph_tokens)
         padded.attn = self.backend.init_metadata(padded)
         # NOTE: batch and key-width dims are dynamic in the compiled graph (one compile serves every captured
@@ -244,20 +258,29 @@ class ModelRunner:
             torch.compiler.cudagraph_mark_step_begin()
         extra = padded.hidden_in if padded.hidden_in is not None else layer_ids
         writes = (padded.req_pool_indices, padded.out_cache_loc) if in_forward else None
-        args = (padded.input_ids, padded.positions, padded.attn, padded.logits_index, extra, writes)
+        args = (padded.input_ids, padded.positions, padded.attn, padded.logits_index, extra, writes,
+                self.greedy_in_graph)
         try:
             with self._guard_stance(args):
-                logits, hidden = self._compiled_forward(*args)
+                logits, hidden, greedy = self._compiled_forward(*args)
         except RuntimeError as err:  # torch refused to recompile without guards: run this call with them
             if "skip_guard_eval_unsafe" not in str(err):
                 raise
             log.warning("compiled forward recompiled for an input signature it had seen; ran it with full guards")
             with full_guards():
-                logits, hidden = self._compiled_forward(*args)
+                logits, hidden, greedy = self._compiled_forward(*args)
+        self._greedy = greedy[: batch.logits_index.shape[0]] if greedy is not None else None
         hidden = hidden[: batch.input_ids.shape[0]]
         if graph_shape is not None:  # NOTE: the graph's next replay overwrites it, and a v1 drafter's on_prefill
             hidden = hidden.clone()  # reads a prefill's hidden states after the next step was launched
         return logits[: batch.logits_index.shape[0]], hidden
+
+    def take_greedy(self) -> Optional[torch.Tensor]:
+        """The argmax of the last forward's logits ``[rows]``, computed inside its compiled graph (``GREEDY_IN_GRAPH``);
+        None where that forward did not compute it (eager forwards). Cleared by the call: valid until the next
+        forward's graph replays."""
+        greedy, self._greedy = self._greedy, None
+        return greedy
 
     def _extend_graph_shape(self, batch: ForwardBatch, extra: Any) -> Optional[tuple[int, int]]:
         """(padded requests, padded tokens) when ``batch`` is a prefill step that runs from a CUDA graph."""

@@ -60,3 +60,31 @@ class AsyncCopy:
             AsyncCopy._free.setdefault(self._key, []).append((self._host, self._event))
             self._event = None
         return self._values
+
+
+class PinnedStaging:
+    """Host-to-device copies of a fixed-size host array through a few pinned buffers taken in turn.
+
+    ``tensor.pin_memory()`` per copy asks torch's caching host allocator for a block every time; here each buffer is
+    written again only once the copy that last read it has run (its event, queried: never waited for). Where every
+    buffer is still in flight (the GPU ``slots`` copies behind), the copy goes through ``pin_memory()`` as before."""
+
+    def __init__(self, size: int, dtype: torch.dtype, slots: int = 4) -> None:
+        self._buffers = [torch.empty(size, dtype=dtype, pin_memory=True) for _ in range(slots)]
+        self._views = [b.numpy() for b in self._buffers]
+        self._events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._next = 0
+
+    def copy(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Queue ``dst.copy_(src)`` (``src``: the host array, as long as ``dst``) without blocking the host."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        event = self._events[i]
+        if event is not None and not event.query():  # that buffer's copy has not run yet
+            dst.copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
+            return
+        self._views[i][:] = src
+        dst.copy_(self._buffers[i], non_blocking=True)
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()
+        event.record()

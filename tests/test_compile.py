@@ -25,18 +25,35 @@ def eager_outputs():
 def compiled(request):
     """Also with compile.skip_guards=true (opt-in); its process-wide stance is undone for the tests after these.
     Page size 1 compiles the layers' parts around attention as nested compile regions (compile.regional=true), page
-    size 16 as one flat graph (the default)."""
+    size 16 as one flat graph (the default), and takes greedy tokens from the compiled graph's own argmax
+    (``model_runner.GREEDY_IN_GRAPH``)."""
+    import framework.model_runner as model_runner
     from framework.compile_guards import restore_guards_process_wide
 
-    yield LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true",
-                          f"compile.regional={str(request.param == 1).lower()}"])
+    greedy_in_graph = model_runner.GREEDY_IN_GRAPH
+    model_runner.GREEDY_IN_GRAPH = request.param == 16  # (read when the runner is built)
+    try:
+        llm = LLM(COMPILED + [f"kv.page_size={request.param}", "compile.skip_guards=true",
+                              f"compile.regional={str(request.param == 1).lower()}"])
+    finally:
+        model_runner.GREEDY_IN_GRAPH = greedy_in_graph
+    yield llm
     restore_guards_process_wide()
 
 
 def test_compiled_greedy_equals_eager(compiled, eager_outputs):
-    outs = compiled.generate(reqs(20))
+    runner = compiled.engine.runner
+    taken = []
+    take = runner.take_greedy
+    runner.take_greedy = lambda: taken.append(take()) or taken[-1]
+    try:
+        outs = compiled.generate(reqs(20))
+    finally:
+        del runner.take_greedy
     assert [o.token_ids for o in outs] == eager_outputs
-    assert compiled.engine.runner.compiled
+    assert runner.compiled
+    # with GREEDY_IN_GRAPH the compiled steps' tokens are the graph's argmax (eager prefills have none)
+    assert any(t is not None for t in taken) == runner.greedy_in_graph
 
 
 def test_batches_are_padded_to_captured_sizes(compiled, eager_outputs):

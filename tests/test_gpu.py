@@ -165,3 +165,50 @@ def test_staged_decode_inputs_need_no_copy_and_equal_copied_ones(monkeypatch):
         while engine.has_work():
             engine.step()
     engine.allocator.assert_all_free()
+
+
+def test_pinned_staging_copies_in_order_also_while_its_buffers_are_in_flight():
+    """``transfer.PinnedStaging``: each copy lands with its own values, in stream order, also when the GPU is behind
+    (a sleep queued first keeps every buffer's copy pending, so later copies take the ``pin_memory`` fallback) and a
+    buffer is rewritten only after the copy that read it has run."""
+    import numpy as np
+
+    from framework.transfer import PinnedStaging
+
+    n = 37
+    ring = PinnedStaging(n, torch.int64, slots=3)
+    dst = torch.zeros(n, dtype=torch.int64, device="cuda")
+    seen = torch.zeros(12, n, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time ahead of the copies
+    for i in range(12):
+        ring.copy(dst, np.arange(n, dtype=np.int64) * 100 + i)
+        seen[i].copy_(dst)  # what the stream sees right after copy i
+    torch.cuda.synchronize()
+    expected = torch.arange(n, device="cuda")[None, :] * 100 + torch.arange(12, device="cuda")[:, None]
+    assert torch.equal(seen, expected)
+    for i in range(12, 20):  # the GPU idle: every buffer free again
+        ring.copy(dst, np.full(n, i, dtype=np.int64))
+    torch.cuda.synchronize()
+    assert torch.equal(dst, torch.full_like(dst, 19))
+
+
+def test_greedy_from_the_graph_equals_eager_argmax():
+    """``model_runner.GREEDY_IN_GRAPH`` (the default): a compiled CUDA decode step's greedy tokens come from the
+    graph's own argmax, and the engine's output is that of the eager argmax (the same engine with it off)."""
+    import framework.model_runner as model_runner
+    from tests.test_engine import PROMPTS as TEXTS
+
+    base = cuda_overrides("model=tiny_llama", "model.dtype=float32", "compile=reduce_overhead",
+                          "compile.batch_sizes=[1,2,4]", "scheduler.max_running_requests=4")
+    items = [{"prompt": text, "max_tokens": 12, "ignore_eos": True} for text in TEXTS[:3]]
+    outs = {}
+    for on in (True, False):
+        old = model_runner.GREEDY_IN_GRAPH
+        model_runner.GREEDY_IN_GRAPH = on
+        try:
+            llm = LLM(base)
+        finally:
+            model_runner.GREEDY_IN_GRAPH = old
+        assert llm.engine.runner.greedy_in_graph == on
+        outs[on] = [o.token_ids for o in llm.generate(items)]
+    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
