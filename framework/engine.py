@@ -259,7 +259,12 @@ class Engine:
         batch = self.scheduler.build_batch(step)
         logits, hidden = self.runner.forward(batch)
         greedy = self.runner.take_greedy()  # (sampled inside the compiled graph, where it was)
-        tokens = greedy if greedy is not None and batch.sampling.all_greedy else sample(logits, batch.sampling)
+        if greedy is not None and batch.sampling.all_greedy:
+            # NOTE: graph memory, valid until the next replay: read below before any; a drafter's prefill hooks may
+            # replay graphs of their own before they read it, so they get a copy
+            tokens = greedy if self.spec_worker is None else greedy.clone()
+        else:
+            tokens = sample(logits, batch.sampling)
         self.runner.next_tokens[batch.req_pool_indices] = tokens
         if step.mode is ForwardMode.EXTEND and self.spec_worker is not None:
             self.spec_worker.on_extend_launch(step, batch, hidden, tokens)
