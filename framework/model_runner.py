@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 # compiled forwards also return their logits' argmax (the greedy tokens), so that an all-greedy step samples inside
 # the graph instead of launching an eager argmax after it (ModelRunner.take_greedy). With graph_inputs.STAGING_RING:
 # SmolLM2-shaped plain decode on an H100, batch 1, 1751 / 1806 -> 1961 / 1966 tok/s, batch 8 even (docs/PERFORMANCE.md).
-# A constant so that bench/knobs.py --set can compare the two in one commit
+# Every compiled forward computes it (about 10 us of GPU time on SmolLM2), also those whose callers do not use it
+# (verify, drafts): making it depend on the mode could recompile graphs that modes share. A constant so that
+# bench/knobs.py --set can compare the two in one commit
 GREEDY_IN_GRAPH = True
 
 
