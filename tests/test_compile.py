@@ -41,19 +41,21 @@ def compiled(request):
     restore_guards_process_wide()
 
 
-def test_compiled_greedy_equals_eager(compiled, eager_outputs):
+def test_compiled_greedy_equals_eager(compiled, eager_outputs, monkeypatch):
+    import framework.engine as engine_module
+
     runner = compiled.engine.runner
-    taken = []
-    take = runner.take_greedy
-    runner.take_greedy = lambda: taken.append(take()) or taken[-1]
-    try:
-        outs = compiled.generate(reqs(20))
-    finally:
-        del runner.take_greedy
+    taken, sampled = [], []
+    take, sample = runner.take_greedy, engine_module.sample
+    monkeypatch.setattr(runner, "take_greedy", lambda: taken.append(take()) or taken[-1])
+    monkeypatch.setattr(engine_module, "sample", lambda *args: sampled.append(1) or sample(*args))
+    outs = compiled.generate(reqs(20))
     assert [o.token_ids for o in outs] == eager_outputs
     assert runner.compiled
-    # with GREEDY_IN_GRAPH the compiled steps' tokens are the graph's argmax (eager prefills have none)
+    # with GREEDY_IN_GRAPH every compiled step's tokens are the graph's argmax (no eager sampling after it); only the
+    # eager prefills (no graph argmax) sample; without it every step samples
     assert any(t is not None for t in taken) == runner.greedy_in_graph
+    assert len(sampled) == sum(t is None for t in taken) and len(taken) > 0
 
 
 def test_batches_are_padded_to_captured_sizes(compiled, eager_outputs):

@@ -183,6 +183,7 @@ def test_pinned_staging_copies_in_order_also_while_its_buffers_are_in_flight():
     for i in range(12):
         ring.copy(dst, np.arange(n, dtype=np.int64) * 100 + i)
         seen[i].copy_(dst)  # what the stream sees right after copy i
+    assert not any(e.query() for e in ring._events)  # every buffer still in flight: copies 3.. took the fallback
     torch.cuda.synchronize()
     expected = torch.arange(n, device="cuda")[None, :] * 100 + torch.arange(12, device="cuda")[:, None]
     assert torch.equal(seen, expected)
