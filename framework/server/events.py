@@ -57,4 +57,3 @@ class AsyncioSink:
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
     for events, event in items:
         events.put_nowait(event)
-
