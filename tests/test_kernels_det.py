@@ -235,6 +235,23 @@ def test_min_programs_narrows_small_weights_tiles_only(monkeypatch) -> None:
     assert [det_matmul_module.cuda_tile(*s)[1] for s in smol.values()] == [16, 16, 64, 32]
 
 
+def test_fit_stages_keeps_16_bit_tiles_and_fits_float32_ones() -> None:
+    """The pipeline stages fit the GPU's shared memory (227 KiB on an H100, Triton's ``max_shared_mem``): every
+    configured tile keeps its stages with 16-bit operands, and float32 operands (``model.dtype=float32``; twice the
+    bytes) or two x tiles (the SiLU-mul's gate and up) get fewer, at least 1, where all of them would not fit (Triton
+    refused 240 KiB at stages 3)."""
+    limit = 232448
+    for block_m, block_n, block_k, _, stages, *_ in [*det_matmul_module.CUDA_TILES.values(),
+                                                     det_matmul_module.CUDA_TILE]:
+        assert det_matmul_module.fit_stages(stages, block_k * (block_m + block_n) * 2, limit) == stages
+        for x_tiles, size in [(2, 2), (1, 4), (2, 4)]:  # SiLU-mul's gate and up; float32
+            per_stage = block_k * (x_tiles * block_m + block_n) * size
+            fit = det_matmul_module.fit_stages(stages, per_stage, limit)
+            assert 1 <= fit <= stages and (fit * per_stage <= limit or fit == 1)
+            assert fit == stages or (fit + 1) * per_stage > limit  # the most that fit
+    assert det_matmul_module.fit_stages(3, 256 * (16 * 4 + 64 * 4), limit) == 2  # the tile Triton refused
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
@@ -254,6 +271,20 @@ def test_det_matmul_gpu_bf16(n: int, k: int, tile, monkeypatch) -> None:
     assert det_matmul(x, w, out_float32=True).dtype == torch.float32
     res = randn(64, n, seed=21, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(det_matmul(x, w, residual=res).float(), (x @ w.T + res).float(), atol=5e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(192, 64), (576, 576), (3072, 576), (576, 1536), (28672, 4096)])
+def test_det_matmul_gpu_float32_every_class(n: int, k: int) -> None:
+    """float32 weights and rows (``model.dtype=float32``, e.g. a several-row verify through ``DET_MAX_ROWS``): the
+    16-bit tiles' stages are cut to fit shared memory; equal to the reference, SiLU-mul and residual fused too."""
+    w = randn(n, k, seed=40, device="cuda") / k ** 0.5
+    x = randn(6, 2 * k, seed=41, device="cuda")
+    res = randn(6, n, seed=42, device="cuda")
+    torch.testing.assert_close(det_matmul(x[:, :k].contiguous(), w), x[:, :k] @ w.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(det_matmul(x, w, residual=res, silu_mul=True),
+                               det_matmul_reference(x.cpu(), w.cpu(), residual=res.cpu(), silu_mul=True).cuda(),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ block on its own (one ``bmm``): one BLAS call shape whatever M is (row-invariant
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -182,6 +183,22 @@ def cuda_tile(n: int, k: int) -> tuple:
     return tile[:1] + (block_n,) + tile[2:]
 
 
+def fit_stages(stages: int, per_stage: int, limit: int) -> int:
+    """The most pipeline stages, at most ``stages``, whose operand buffers (``per_stage`` bytes each: an x tile, two
+    with ``silu_mul``, and a weight tile) fit ``limit`` bytes of shared memory; at least 1. Stages only overlap the
+    loads, so the sums are the same with any count (the tiles were tuned for 16-bit weights; float32 doubles them)."""
+    while stages > 1 and stages * per_stage > limit:
+        stages -= 1
+    return stages
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on ``device`` (Triton's ``max_shared_mem``: 227 KiB on an H100)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 @torch.library.custom_op("tfs::det_matmul", mutates_args=())
 def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                   out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
@@ -203,6 +220,9 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
     block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
+    if x.is_cuda:  # (float32 operands: the 16-bit tiles' stages may not fit; fewer change no sum)
+        per_stage = block_k * ((2 if silu_mul else 1) * block_m * x.element_size() + block_n * w.element_size())
+        stages = fit_stages(stages, per_stage, shared_memory(x.device))
     swap = bool(extra[0]) if extra else False
     k_per_split = triton.cdiv(triton.cdiv(k, extra[1] if len(extra) > 1 else 1), block_k) * block_k  # by K only
     split = triton.cdiv(k, k_per_split)
