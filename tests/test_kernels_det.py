@@ -252,6 +252,20 @@ def test_fit_stages_keeps_16_bit_tiles_and_fits_float32_ones() -> None:
     assert det_matmul_module.fit_stages(3, 256 * (16 * 4 + 64 * 4), limit) == 2  # the tile Triton refused
 
 
+def test_min_split_k_drops_a_small_weights_split_only(monkeypatch) -> None:
+    """``MIN_SPLIT_K``: a class's K split stays where each range keeps that many columns (Llama-3-8B's down
+    projection, K 14336 in 4 ranges) and goes where it would not (SmolLM2's, K 1536: one kernel, no reduce), its
+    tile then narrowed by ``MIN_PROGRAMS`` as any unsplit tile; off, every tile is the class's."""
+    off = {s: det_matmul_module.cuda_tile(*s) for s in [(576, 1536), (4096, 14336), (6144, 4096)]}
+    assert off[576, 1536][6] == 4 and off[4096, 14336][6] == 4  # both "tall": split in 4
+    monkeypatch.setattr(det_matmul_module, "MIN_SPLIT_K", 2048)
+    assert det_matmul_module.cuda_tile(4096, 14336) == off[4096, 14336]
+    assert det_matmul_module.cuda_tile(6144, 4096) == off[6144, 4096]
+    small = det_matmul_module.cuda_tile(576, 1536)
+    assert small[6] == 1 and small[1] == 16  # 36 programs of 16 columns, K whole
+    assert small[:1] + small[2:6] == off[576, 1536][:1] + off[576, 1536][2:6]
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])

@@ -56,6 +56,11 @@ CUDA_TILES: dict[str, tuple] = {
 # choice by the weight's shape alone (batch-invariant); 48 leaves every Llama-3-8B tile as it is (SmolLM2's batch-8
 # forward on an H100: 757 against 788 us; the BLOCK_N-16 tile passes tests/test_kernels_det.py's "narrow16"). 0: off.
 MIN_PROGRAMS = 48
+# A class's K split (a second, reducing kernel) is kept only while each of its ranges holds at least this many of K's
+# columns: SmolLM2's down projection [576, 1536] is "tall" like Llama-3-8B's [4096, 14336], but its four ranges of
+# 384 columns cost a reduce kernel a layer (about 5.8 us, 30 a forward at 8 rows on an H100) for little streaming.
+# By the weight's shape alone (batch-invariant); 0 (the default until timed on a GPU): the class's split as it is.
+MIN_SPLIT_K = 0
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
@@ -178,6 +183,9 @@ def cuda_tile(n: int, k: int) -> tuple:
     row count."""
     tile = CUDA_TILES.get(launch_class(1, n, k), CUDA_TILE)
     block_n, split_k = tile[1], (tile[6] if len(tile) > 6 else 1)
+    if MIN_SPLIT_K and split_k > 1:
+        split_k = max(1, min(split_k, k // MIN_SPLIT_K))
+        tile = tile[:6] + (split_k,)
     while MIN_PROGRAMS and block_n > 16 and -(-n // block_n) * split_k < MIN_PROGRAMS:
         block_n //= 2
     return tile[:1] + (block_n,) + tile[2:]
