@@ -109,6 +109,38 @@ def test_several_row_forwards_through_det_matmul_agree_with_cublas(monkeypatch):
         assert (cublas - det).abs().max() <= 0.05 * cublas.abs().max()
 
 
+def test_several_row_forwards_with_rope_and_store_in_the_projection_equal_unfused(monkeypatch):
+    """``DET_QKV_ROPE_STORE``: the several-row layer's qkv projection with RoPE and the K/V store as its epilogue
+    (``tfs::det_qkv_rope_store``) gives the unfused layer's logits (the same sums; the rotation may contract
+    differently, a last bit), also on the step after, which attends over the K/V the fused kernel stored."""
+    import framework.models.llama as llama
+
+    prompts = [[1 + i, 20 + i, 300 + 7 * i, 4000 + i] * 3 for i in range(4)]
+    base = cuda_overrides("model=smollm2_135m_random", "attention=triton", "compile=reduce_overhead",
+                          "scheduler.max_running_requests=4", "compile.batch_sizes=[4]", "compile.prefill=false",
+                          "compile.prefill_graph_tokens=0")
+    out, calls = {}, []
+    real = llama.det_matmul
+
+    def counted(*args, **kwargs):
+        calls.append(llama.DET_QKV_ROPE_STORE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "det_matmul", counted)
+    for fused in (False, True):
+        monkeypatch.setattr(llama, "DET_QKV_ROPE_STORE", fused)
+        llm = LLM(base)
+        out[fused] = greedy_with_logits(llm.engine, prompts, max_tokens=3)
+        llm.engine.allocator.assert_all_free()
+        llm.engine.close()
+    per_layer = {f: calls.count(f) for f in (False, True)}
+    assert per_layer[True] < per_layer[False]  # the fused engine traced no qkv det_matmul
+    for (tokens, plain), (fused_tokens, fused) in zip(out[False], out[True]):
+        torch.testing.assert_close(fused[1], plain[1], atol=2e-2, rtol=2e-2)
+        if tokens[1] == fused_tokens[1]:  # the same input: the step over the fused kernel's stored K/V
+            torch.testing.assert_close(fused[2], plain[2], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("spec", [["speculative=ngram"], ["speculative=layer_skip", "speculative.exit_layer=1"],
                                   ["speculative=eagle", "speculative.topk=4", "speculative.num_draft_tokens=8"],
                                   ["speculative=draft_model", "speculative.draft_model=tiny_llama"]])

@@ -80,33 +80,14 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
-def _det_matmul_kernel(
-    X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE_NORM: tl.constexpr,
-):
-    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
-    # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
-    # into Partial[s] ``[SPLIT_K, M, N]`` (float32) when SPLIT_K > 1, for _det_matmul_reduce_kernel.
-    pid = tl.program_id(0)
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_tiles
-    pid_n = pid // m_tiles
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_ok = rows < M
-    col_ok = cols < N
+@triton.jit
+def det_tile(X, W, Norm_weight, rows, cols, row_ok, col_ok, K, k_lo, k_hi, eps, stride_xm, stride_wn,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+             NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, LATE_NORM: tl.constexpr):
+    """The float32 sums ``[BLOCK_M, BLOCK_N]`` of rows ``rows`` of X (SiLU-mul / RMSNorm folded in) times weight
+    rows ``cols`` over K's columns ``[k_lo, k_hi)`` in ``BLOCK_K`` steps: the main loop of ``tfs::det_matmul`` and of
+    the kernels that fuse an epilogue into it (tfs_kernels/det_qkv_rope_store.py)."""
     kk = tl.arange(0, BLOCK_K)
-    if USE_PDL:  # launched early (programmatic dependent launch): the weight's first columns into L2, then the wait
-        if PREFETCH_K > 0:  # one prefetch per 128-byte line (64 16-bit values), clamped to the last row and column
-            lines = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
-            prefetch_l2(W + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
-        gdc_wait()
-        gdc_launch_dependents()
     sum_sq = tl.zeros([BLOCK_M], tl.float32)  # a row's sum of squares, in the same BLOCK_K steps in every program
     if NORM and not LATE_NORM:  # RMSNorm of the rows first: a pass over x before the weight streams
         for k0 in range(0, K, BLOCK_K):
@@ -146,6 +127,37 @@ def _det_matmul_kernel(
         acc = tl.trans(acc)
     if NORM and LATE_NORM:  # [BLOCK_M, BLOCK_N] sums scaled by each row's 1 / rms
         acc = acc * (1.0 / tl.sqrt(sum_sq / K + tl.cast(eps, tl.float32)))[:, None]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "eps"])
+def _det_matmul_kernel(
+    X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE_NORM: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
+    # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
+    # into Partial[s] ``[SPLIT_K, M, N]`` (float32) when SPLIT_K > 1, for _det_matmul_reduce_kernel.
+    pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < M
+    col_ok = cols < N
+    if USE_PDL:  # launched early (programmatic dependent launch): the weight's first columns into L2, then the wait
+        if PREFETCH_K > 0:  # one prefetch per 128-byte line (64 16-bit values), clamped to the last row and column
+            lines = tl.minimum(k_lo + tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
+            prefetch_l2(W + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = det_tile(X, W, Norm_weight, rows, cols, row_ok, col_ok, K, k_lo, k_hi, eps, stride_xm, stride_wn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, NORM, IEEE_DOT, SWAP_AB, LATE_NORM)  # [BLOCK_M, BLOCK_N]
     out_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tl.store(Partial + (tl.program_id(1) * M + rows[:, None]) * N + cols[None, :], acc, mask=out_ok)
@@ -207,6 +219,20 @@ def shared_memory(device: torch.device) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
+def launch_tile(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> tuple[int, int, int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap, k_per_split) of a launch over ``x`` and the ``[N, K]`` weight
+    ``w``: :func:`cuda_tile` with its stages fitted to shared memory on CUDA, the interpreter's small tile elsewhere;
+    ``k_per_split``: the columns of each K range, whole ``BLOCK_K`` steps (K itself, rounded up, without a split)."""
+    n, k = w.shape
+    block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
+    if x.is_cuda:  # (float32 operands: the 16-bit tiles' stages may not fit; fewer change no sum)
+        per_stage = block_k * ((2 if silu_mul else 1) * block_m * x.element_size() + block_n * w.element_size())
+        stages = fit_stages(stages, per_stage, shared_memory(x.device))
+    swap = bool(extra[0]) if extra else False
+    k_per_split = triton.cdiv(triton.cdiv(k, extra[1] if len(extra) > 1 else 1), block_k) * block_k  # by K only
+    return block_m, block_n, block_k, warps, stages, swap, k_per_split
+
+
 @torch.library.custom_op("tfs::det_matmul", mutates_args=())
 def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Tensor] = None, silu_mul: bool = False,
                   out_float32: bool = False, norm_weight: Optional[torch.Tensor] = None,
@@ -227,12 +253,7 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
     torch._check(not pdl or (HAS_GDC and x.is_cuda), lambda: "det_matmul: pdl needs CUDA and grid dependency control")
     if has_res:
         torch._check(residual.shape == (m, n) and residual.stride(1) == 1, lambda: "det_matmul: residual [M, N]")
-    block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
-    if x.is_cuda:  # (float32 operands: the 16-bit tiles' stages may not fit; fewer change no sum)
-        per_stage = block_k * ((2 if silu_mul else 1) * block_m * x.element_size() + block_n * w.element_size())
-        stages = fit_stages(stages, per_stage, shared_memory(x.device))
-    swap = bool(extra[0]) if extra else False
-    k_per_split = triton.cdiv(triton.cdiv(k, extra[1] if len(extra) > 1 else 1), block_k) * block_k  # by K only
+    block_m, block_n, block_k, warps, stages, swap, k_per_split = launch_tile(x, w, silu_mul)
     split = triton.cdiv(k, k_per_split)
     norm = w if norm_weight is None else norm_weight
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_RESIDUAL=has_res,

@@ -72,11 +72,11 @@ class AttentionBackend:
         return None
 
     def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           rope: Any, layer: int, meta: Any) -> Optional[torch.Tensor]:
+                           rope: Any, layer: int, meta: Any, det: bool = False) -> Optional[torch.Tensor]:
         """A backend that fuses a decode-sized batch's qkv projection (with the RMSNorm before it), RoPE and the
         K/V store takes the layer's input here: x ``[n, hidden]``, w_qkv ``[(heads + 2 * kv_heads) * head_dim,
-        hidden]`` -> ``[n, heads * head_dim]``. None: not fused (the model projects and calls
-        :meth:`forward_qkv`)."""
+        hidden]`` -> ``[n, heads * head_dim]``; ``det``: the projection summed as ``tfs::det_matmul`` sums it (the
+        model's several-row path). None: not fused (the model projects and calls :meth:`forward_qkv`)."""
         return None
 
     def dynamic_dims(self, meta: Any) -> list[tuple[torch.Tensor, int]]:

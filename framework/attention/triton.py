@@ -74,6 +74,7 @@ class TritonBackend(AttentionBackend):
             raise ConfigError(f"attention=triton: {num_heads} query heads are not a multiple of "
                               f"{num_kv_heads} KV heads")
         from tfs_kernels.decode_attention import decode_attention
+        from tfs_kernels.det_qkv_rope_store import det_qkv_rope_store, det_qkv_rope_store_applies
         from tfs_kernels.extend_attention import extend_attention
         from tfs_kernels.qkv_rope_store import qkv_rope_store, qkv_rope_store_applies
         from tfs_kernels.rope_store import rope_store_kv
@@ -86,6 +87,7 @@ class TritonBackend(AttentionBackend):
         self._split_policy = split_policy
         self._rope_store = rope_store_kv
         self._qkv_rope_store, self._qkv_rope_store_applies = qkv_rope_store, qkv_rope_store_applies
+        self._det_qkv_rope_store, self._det_qkv_rope_store_applies = det_qkv_rope_store, det_qkv_rope_store_applies
         self._policies: dict[int, tuple[int, int, int]] = {}
         if allocator.device.type == "cuda":
             # NOTE: the table is read inside captured graphs and updated outside them; a static address keeps
@@ -159,14 +161,16 @@ class TritonBackend(AttentionBackend):
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward_projection(self, x: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           rope: Any, layer: int, meta: TritonMetadata) -> Optional[torch.Tensor]:
-        """The qkv projection, RoPE and the K/V store in one kernel (``tfs::qkv_rope_store``), then attention."""
-        if self.deterministic or not self._qkv_rope_store_applies(x, w_qkv, self.head_dim):
+                           rope: Any, layer: int, meta: TritonMetadata, det: bool = False) -> Optional[torch.Tensor]:
+        """The qkv projection, RoPE and the K/V store in one kernel (``tfs::qkv_rope_store``; ``det``:
+        ``tfs::det_qkv_rope_store``), then attention."""
+        fused, applies = (self._det_qkv_rope_store, self._det_qkv_rope_store_applies) if det else \
+            (self._qkv_rope_store, self._qkv_rope_store_applies)
+        if self.deterministic or not applies(x, w_qkv, self.head_dim):
             return None
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [num_slots, kv_heads, head_dim]
-        q = self._qkv_rope_store(x, w_qkv, norm_weight, eps, rope.cos_table, rope.sin_table, rope.positions, k_cache,
-                                 v_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 self.pdl)  # [n, heads, dim]
+        q = fused(x, w_qkv, norm_weight, eps, rope.cos_table, rope.sin_table, rope.positions, k_cache, v_cache,
+                  meta.out_cache_loc, self.num_heads, self.num_kv_heads, self.head_dim, self.pdl)  # [n, heads, dim]
         return self._attend(q, k_cache, v_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -41,6 +41,10 @@ FUSED_MAX_ROWS = 1
 # apart) the Llama-3-8B shape's batch-1 n-gram iteration (a 5-row verify) costs 1.09x a plain step, 1.19x before
 # (docs/PERFORMANCE.md). 0: off. Not batch-invariant (one row takes tfs::gemv).
 DET_MAX_ROWS = 8
+# ... with the qkv projection's RoPE and K/V store as that launch's epilogue (the attention backend's
+# forward_projection(det=True): tfs::det_qkv_rope_store on attention=triton), one kernel a layer fewer. Off until
+# timed on a GPU (docs/KERNELS.md).
+DET_QKV_ROPE_STORE = False
 
 
 @dataclass
@@ -196,8 +200,14 @@ class DecoderLayer(nn.Module):
         if det or self.mlp.deterministic:  # the norms, residual adds and SiLU-mul in tfs::det_matmul
             attn, mlp = self.self_attn, self.mlp
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-            qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
-            x = det_matmul(attn.attend(qkv, rope, meta), attn.o_proj.weight, residual=x, pdl=pdl)
+            out = None
+            if DET_QKV_ROPE_STORE and not mlp.deterministic:  # RoPE and the K/V store in the projection's kernel
+                out = attn.backend.forward_projection(x, attn.qkv_proj.weight, norm1.weight, norm1.eps, rope,
+                                                      attn.layer_id, meta, det=True)
+            if out is None:
+                qkv = det_matmul(x, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps, pdl=pdl)
+                out = attn.attend(qkv, rope, meta)
+            x = det_matmul(out, attn.o_proj.weight, residual=x, pdl=pdl)
             h = det_matmul(x, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps, pdl=pdl)
             return det_matmul(h, mlp.down_proj.weight, residual=x, silu_mul=True, pdl=pdl)
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
