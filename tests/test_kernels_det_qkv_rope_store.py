@@ -68,6 +68,40 @@ def test_a_row_is_the_same_bits_at_any_row_count_interpreted() -> None:
 
 
 @interpreted
+def test_forced_several_row_layers_with_the_fused_projection_give_the_same_tokens_interpreted(monkeypatch) -> None:
+    """The model's several-row layers (``det``, as ``DET_MAX_ROWS`` runs them compiled on CUDA; forced here for
+    every forward of 2-8 rows) with ``DET_QKV_ROPE_STORE``: attention=triton's ``forward_projection(det=True)``
+    writes the K/V that later steps read, and greedy output is the unfused layers' token for token."""
+    import framework.models.llama as llama
+    import tfs_kernels.det_qkv_rope_store as fused_module
+    from framework import LLM
+    from tests.conftest import TINY
+    from tests.test_engine import PROMPTS
+
+    real_layers, real_fused, calls = llama.run_layers, fused_module.det_qkv_rope_store, []
+
+    def forced(layers, x, rope, meta, fused, pdl, regional, det=False):
+        return real_layers(layers, x, rope, meta, fused, pdl, regional, det or 1 < x.shape[0] <= 8)
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real_fused(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "run_layers", forced)
+    monkeypatch.setattr(fused_module, "det_qkv_rope_store", counted)
+    requests = [{"prompt": p, "max_tokens": 6} for p in PROMPTS[:4]]
+    tokens, called = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(llama, "DET_QKV_ROPE_STORE", on)
+        llm = LLM(TINY + ["attention=triton", "scheduler.max_running_requests=4"])
+        tokens[on] = [o.token_ids for o in llm.generate(requests)]
+        llm.engine.allocator.assert_all_free()
+        called[on], calls[:] = list(calls), []
+    assert not called[False] and called[True] and all(1 < n <= 8 for n in called[True])  # several rows only
+    assert tokens[True] == tokens[False]
+
+
+@interpreted
 def test_opcheck_interpreted() -> None:
     torch.library.opcheck(torch.ops.tfs.det_qkv_rope_store,
                           fused_args(2, 4, 2, 16, 32, True, "cpu", torch.float32, 0),
