@@ -10,6 +10,7 @@
         layer_skip,speculative.skip_search=true         # DRAFTER,OVERRIDE,...: overrides of that engine only
     python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram \
         ngram,speculative.num_steps=2 ngram,speculative.adaptive=true   # adaptive depth: chosen_draft_lengths too
+    python3 bench/e2e.py --cases smollm2:8 --overlap on --rounds 3 --speculative ngram ngram,speculative.adaptive=true
 
 Each case ``MODEL:BATCH`` runs the CLI's job code (``framework.jobs.generate``: the same request parsing,
 generation loop and metrics as ``train_free_serve.py``) with at most BATCH requests running, then, in the same
@@ -19,7 +20,7 @@ replay; median of 50 after warm-up). One engine per model serves all of its case
 its graphs are captured for every batch size up to that); each case sets the scheduler's running limit to BATCH
 and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` and ``scheduler.overlap`` set.
 Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched; a speculative
-iteration counts as one), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
+iteration counts as one; ``--rounds N``: the case N times, the median round reported), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
 iteration and the iteration's GPU time from CUDA events (speculation v2). ``--kernels N``: after each case, one
 batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
@@ -198,12 +199,19 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
     return row
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round with the median tokens/s (the lower middle of an even count), with every round's tokens/s."""
+    row = sorted(rounds, key=lambda r: r["tokens_per_s"])[(len(rounds) - 1) // 2]
+    return dict(row, rounds_tokens_per_s=[r["tokens_per_s"] for r in rounds]) if len(rounds) > 1 else row
+
+
 def child_argv(args: argparse.Namespace, cases: list[str], drafter: str | None, json_path: str) -> list[str]:
     """The command line that runs one engine (``cases`` of one model, one drafter) in a process of its own."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--cases", *cases, "--overlap", *args.overlap,
             "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat), "--prompts", args.prompts,
             "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-            "--profile", str(args.profile), "--kernels", str(args.kernels), "--json", json_path, "--no-table"]
+            "--profile", str(args.profile), "--kernels", str(args.kernels), "--rounds", str(args.rounds),
+            "--json", json_path, "--no-table"]
     if drafter is not None:
         argv += ["--speculative", drafter]
     if args.set:
@@ -261,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="after each case, one batch of its requests under torch.profiler: the GPU's busy share "
                          "and its top N kernels per iteration")
+    ap.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="run each case N times on its engine and report the round with the median tokens/s (each "
+                         "round's tokens/s in rounds_tokens_per_s): short batch jobs spread by 20-40%% between runs")
     ap.add_argument("--speculative", nargs="+", default=[None], metavar="DRAFTER",
                     help="one engine per drafter (none, ngram, ...; DRAFTER,OVERRIDE,... adds Hydra overrides for "
                          "that engine) for each model, built in this process")
@@ -297,9 +308,10 @@ def main() -> None:
         for batch in [b for n, b in cases if n == name]:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
-                rows.append(run_case(engine, name, batch, overlap, args.new_tokens, args.repeat,
-                                     args.profile, args.max_tokens, args.prompt_tokens, args.prompts,
-                                     args.kernels))
+                rounds = [run_case(engine, name, batch, overlap, args.new_tokens, args.repeat, args.profile,
+                                   args.max_tokens, args.prompt_tokens, args.prompts, args.kernels)
+                          for _ in range(max(1, args.rounds))]
+                rows.append(median_round(rounds))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         engine.close()  # the next engine starts from clean compile state (framework/compile_state.py)
         del engine

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import e2e  # noqa: E402
 
 OPTIONS = ["--cases", "smollm2:1", "smollm2:8", "8b:1", "--overlap", "on", "--new-tokens", "64", "--repeat", "12",
-           "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--speculative", "none", "ngram,speculative.num_steps=2",
+           "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--rounds", "3", "--speculative", "none", "ngram,speculative.num_steps=2",
            "--set", "framework.models.llama.DET_MAX_ROWS=8", "--", "compile.batch_sizes=[1,8]", "attention=triton"]
 
 
@@ -24,11 +24,20 @@ def test_a_child_gets_the_parents_options_for_its_one_engine():
     child = parser.parse_args(argv[2:])
     assert child.cases == ["smollm2:1", "smollm2:8"] and child.speculative == ["ngram,speculative.num_steps=2"]
     assert child.json == "/tmp/rows.json" and child.no_table and not child.one_process
-    for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "kernels", "set",
-                "extra"):
+    for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "kernels",
+                "rounds", "set", "extra"):
         assert getattr(child, key) == getattr(args, key), key
     plain = parser.parse_args(e2e.child_argv(args, ["8b:1"], None, "/tmp/rows.json")[2:])
     assert plain.speculative == [None] and plain.cases == ["8b:1"]
+
+
+def test_rounds_report_the_median_round_with_every_rounds_tokens_per_s():
+    rounds = [{"tokens_per_s": t, "step_ms": 1000 / t} for t in (7588.4, 10450.4, 9100.0)]
+    row = e2e.median_round(rounds)
+    assert row["tokens_per_s"] == 9100.0 and row["step_ms"] == 1000 / 9100.0  # the median round's own numbers
+    assert row["rounds_tokens_per_s"] == [7588.4, 10450.4, 9100.0]
+    assert e2e.median_round(rounds[:2])["tokens_per_s"] == 7588.4  # even: the lower middle
+    assert e2e.median_round(rounds[:1]) == rounds[0]
 
 
 def test_the_parent_gathers_rows_and_counts_failed_children(monkeypatch, capsys):
