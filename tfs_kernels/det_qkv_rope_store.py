@@ -27,7 +27,7 @@ from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l
 from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
+@triton.jit
 def _det_qkv_rope_store_kernel(
     X, W, NW, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out, M, N, K, eps,
     stride_xm, stride_wn, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
