@@ -24,6 +24,7 @@ from tfs_kernels.det_matmul import (INTERPRET_TILE, PDL_PREFETCH_K, cuda_tile, d
                                     launch_tile)
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
+from tfs_kernels.qkv_rope_store import qkv_rope_store_fake
 from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
@@ -165,12 +166,7 @@ def det_qkv_rope_store_pdl_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Opt
                                      num_heads, num_kv_heads, head_dim, pdl=True)
 
 
-@det_qkv_rope_store_pdl_op.register_fake
-def _det_qkv_rope_store_pdl_fake(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
-                                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                                 num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], num_heads, head_dim, dtype=w.dtype)
+det_qkv_rope_store_pdl_op.register_fake(qkv_rope_store_fake)  # (the same arguments and result)
 
 
 def det_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,

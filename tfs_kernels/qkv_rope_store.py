@@ -160,10 +160,11 @@ def qkv_rope_store_pdl_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optiona
 
 
 @qkv_rope_store_pdl_op.register_fake
-def _qkv_rope_store_pdl_fake(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
-                             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                             head_dim: int) -> torch.Tensor:
+def qkv_rope_store_fake(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> torch.Tensor:
+    """q ``[m, heads, head_dim]`` in w's dtype (the fake kernel of the PDL variants, which are opaque ops)."""
     return x.new_empty(x.shape[0], num_heads, head_dim, dtype=w.dtype)
 
 
