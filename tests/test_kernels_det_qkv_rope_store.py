@@ -89,7 +89,7 @@ def test_forced_several_row_layers_with_the_fused_projection_give_the_same_token
 
     monkeypatch.setattr(llama, "run_layers", forced)
     monkeypatch.setattr(fused_module, "det_qkv_rope_store", counted)
-    requests = [{"prompt": p, "max_tokens": 6} for p in PROMPTS[:4]]
+    requests = [{"prompt": p, "max_tokens": 4} for p in PROMPTS[:3]]
     tokens, called = {}, {}
     for on in (False, True):
         monkeypatch.setattr(llama, "DET_QKV_ROPE_STORE", on)
