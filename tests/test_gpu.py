@@ -78,41 +78,11 @@ def test_compiled_bf16_decode_agrees_with_eager():
         assert same >= 8, (eager, compiled)
 
 
-def test_several_row_forwards_through_det_matmul_agree_with_cublas(monkeypatch):
-    """``DET_MAX_ROWS`` (framework/models/llama.py): a compiled decode of 4 requests through tfs::det_matmul's fused
-    layer instead of cuBLAS and inductor's kernels gives the same logits to bf16 precision. The prefill runs eagerly
-    in both engines (the same path), so the first decode step's inputs are the same; its logits are compared (random
-    weights: their argmax is too close a call to compare tokens)."""
-    import framework.models.llama as llama
-
-    prompts = [[1 + i, 20 + i, 300 + 7 * i, 4000 + i] * 3 for i in range(4)]
-    base = cuda_overrides("model=smollm2_135m_random", "attention=triton", "compile=reduce_overhead",
-                          "scheduler.max_running_requests=4", "compile.batch_sizes=[4]", "compile.prefill=false",
-                          "compile.prefill_graph_tokens=0")
-    first, calls = {}, []
-    real = llama.det_matmul
-
-    def counted(*args, **kwargs):
-        calls.append(llama.DET_MAX_ROWS)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(llama, "det_matmul", counted)
-    for rows in (0, 8):
-        monkeypatch.setattr(llama, "DET_MAX_ROWS", rows)
-        llm = LLM(base)
-        first[rows] = [logits[1] for _, logits in greedy_with_logits(llm.engine, prompts, max_tokens=3)]
-        llm.engine.allocator.assert_all_free()
-        llm.engine.close()  # the next engine starts from clean compile state
-    assert 8 in calls and 0 not in calls  # the several-row path traced det_matmul only when asked to
-    for cublas, det in zip(first[0], first[8]):
-        assert torch.cosine_similarity(cublas, det, dim=0) > 0.999
-        assert (cublas - det).abs().max() <= 0.05 * cublas.abs().max()
-
-
-def test_several_row_forwards_with_rope_and_store_in_the_projection_equal_unfused(monkeypatch):
-    """``DET_QKV_ROPE_STORE``: the several-row layer's qkv projection with RoPE and the K/V store as its epilogue
-    (``tfs::det_qkv_rope_store``) gives the unfused layer's logits (the same sums; the rotation may contract
-    differently, a last bit), also on the step after, which attends over the K/V the fused kernel stored."""
+def several_row_engines(monkeypatch, knob: str, values: tuple) -> tuple[dict, list]:
+    """A compiled SmolLM2-shaped engine (attention=triton, batch 4, eager prefill) per value of
+    ``framework.models.llama.<knob>``: each value's greedy tokens and per-step logits for 4 requests x 3 tokens (the
+    prefill takes the same path in each, so the first decode step's inputs are the same), and the knob's value at
+    every ``det_matmul`` call that was traced."""
     import framework.models.llama as llama
 
     prompts = [[1 + i, 20 + i, 300 + 7 * i, 4000 + i] * 3 for i in range(4)]
@@ -123,18 +93,36 @@ def test_several_row_forwards_with_rope_and_store_in_the_projection_equal_unfuse
     real = llama.det_matmul
 
     def counted(*args, **kwargs):
-        calls.append(llama.DET_QKV_ROPE_STORE)
+        calls.append(getattr(llama, knob))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llama, "det_matmul", counted)
-    for fused in (False, True):
-        monkeypatch.setattr(llama, "DET_QKV_ROPE_STORE", fused)
+    for value in values:
+        monkeypatch.setattr(llama, knob, value)
         llm = LLM(base)
-        out[fused] = greedy_with_logits(llm.engine, prompts, max_tokens=3)
+        out[value] = greedy_with_logits(llm.engine, prompts, max_tokens=3)
         llm.engine.allocator.assert_all_free()
-        llm.engine.close()
-    per_layer = {f: calls.count(f) for f in (False, True)}
-    assert per_layer[True] < per_layer[False]  # the fused engine traced no qkv det_matmul
+        llm.engine.close()  # the next engine starts from clean compile state
+    return out, calls
+
+
+def test_several_row_forwards_through_det_matmul_agree_with_cublas(monkeypatch):
+    """``DET_MAX_ROWS`` (framework/models/llama.py): a compiled decode of 4 requests through tfs::det_matmul's fused
+    layer instead of cuBLAS and inductor's kernels gives the same first-step logits to bf16 precision (random
+    weights: their argmax is too close a call to compare tokens)."""
+    out, calls = several_row_engines(monkeypatch, "DET_MAX_ROWS", (0, 8))
+    assert 8 in calls and 0 not in calls  # the several-row path traced det_matmul only when asked to
+    for (_, cublas), (_, det) in zip(out[0], out[8]):
+        assert torch.cosine_similarity(cublas[1], det[1], dim=0) > 0.999
+        assert (cublas[1] - det[1]).abs().max() <= 0.05 * cublas[1].abs().max()
+
+
+def test_several_row_forwards_with_rope_and_store_in_the_projection_equal_unfused(monkeypatch):
+    """``DET_QKV_ROPE_STORE``: the several-row layer's qkv projection with RoPE and the K/V store as its epilogue
+    (``tfs::det_qkv_rope_store``) gives the unfused layer's logits (the same sums; the rotation may contract
+    differently, a last bit), also on the step after, which attends over the K/V the fused kernel stored."""
+    out, calls = several_row_engines(monkeypatch, "DET_QKV_ROPE_STORE", (False, True))
+    assert calls.count(True) < calls.count(False)  # the fused engine traced no qkv det_matmul
     for (tokens, plain), (fused_tokens, fused) in zip(out[False], out[True]):
         torch.testing.assert_close(fused[1], plain[1], atol=2e-2, rtol=2e-2)
         if tokens[1] == fused_tokens[1]:  # the same input: the step over the fused kernel's stored K/V
