@@ -219,17 +219,24 @@ def shared_memory(device: torch.device) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
-def launch_tile(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> tuple[int, int, int, int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap, k_per_split) of a launch over ``x`` and the ``[N, K]`` weight
-    ``w``: :func:`cuda_tile` with its stages fitted to shared memory on CUDA, the interpreter's small tile elsewhere;
-    ``k_per_split``: the columns of each K range, whole ``BLOCK_K`` steps (K itself, rounded up, without a split)."""
+def tile_shape(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap, k_per_split) over ``x`` and the ``[N, K]`` weight ``w``:
+    :func:`cuda_tile` on CUDA, the interpreter's small tile elsewhere; ``k_per_split``: the columns of each K range,
+    whole ``BLOCK_K`` steps (K itself, rounded up, without a split). By shapes alone: traced model code may ask it."""
     n, k = w.shape
     block_m, block_n, block_k, warps, stages, *extra = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
-    if x.is_cuda:  # (float32 operands: the 16-bit tiles' stages may not fit; fewer change no sum)
-        per_stage = block_k * ((2 if silu_mul else 1) * block_m * x.element_size() + block_n * w.element_size())
-        stages = fit_stages(stages, per_stage, shared_memory(x.device))
     swap = bool(extra[0]) if extra else False
     k_per_split = triton.cdiv(triton.cdiv(k, extra[1] if len(extra) > 1 else 1), block_k) * block_k  # by K only
+    return block_m, block_n, block_k, warps, stages, swap, k_per_split
+
+
+def launch_tile(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> tuple[int, int, int, int, int, bool, int]:
+    """:func:`tile_shape` with its stages fitted to the device's shared memory on CUDA (float32 operands: the 16-bit
+    tiles' stages may not fit; fewer change no sum)."""
+    block_m, block_n, block_k, warps, stages, swap, k_per_split = tile_shape(x, w)
+    if x.is_cuda:
+        per_stage = block_k * ((2 if silu_mul else 1) * block_m * x.element_size() + block_n * w.element_size())
+        stages = fit_stages(stages, per_stage, shared_memory(x.device))
     return block_m, block_n, block_k, warps, stages, swap, k_per_split
 
 

@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from tfs_kernels.det_matmul import (INTERPRET_TILE, PDL_PREFETCH_K, cuda_tile, det_matmul_reference, det_tile,
-                                    launch_tile)
+from tfs_kernels.det_matmul import PDL_PREFETCH_K, det_matmul_reference, det_tile, launch_tile, tile_shape
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 from tfs_kernels.qkv_rope_store import qkv_rope_store_fake
@@ -88,11 +87,8 @@ def det_qkv_rope_store_applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) 
     split K, and each program holds whole column pairs (``head_dim / 2`` a multiple of half its ``BLOCK_N``)."""
     if not (use_triton(x) and x.stride(-1) == 1 and w.is_contiguous() and head_dim % 2 == 0):
         return False
-    n, k = w.shape  # (the tile by shape alone: called in traced model code, which asks the device nothing)
-    tile = cuda_tile(n, k) if x.is_cuda else INTERPRET_TILE
-    block_n, block_k, split = tile[1], tile[2], (tile[6] if len(tile) > 6 else 1)
-    whole_k = split == 1 or triton.cdiv(triton.cdiv(k, split), block_k) * block_k >= k
-    return whole_k and block_n % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
+    _, block_n, _, _, _, _, k_per_split = tile_shape(x, w)  # (traced model code: the device is not asked)
+    return k_per_split >= w.shape[1] and block_n % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
 
 
 def launch_det_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float,
