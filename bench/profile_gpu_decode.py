@@ -28,7 +28,7 @@ from tfs_kernels.gemv import PREFETCH_CHOICES  # noqa: E402
 from kernel_profile import kernel_times  # noqa: E402
 from knobs import add_set_option, apply_sets  # noqa: E402
 
-GROUPS = [("gemm", r"gemm|gemv|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
+GROUPS = [("gemm", r"gemm|gemv|det_matmul|cutlass|sm90_|sm80_|ampere|cublas|nvjet|splitK|qkv_rope_store"),
           ("attention", r"split_kv"),
           ("kv store", r"store_kv"), ("copy/memset", r"memcpy|memset|Memcpy|Memset")]
 
