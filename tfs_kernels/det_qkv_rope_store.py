@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 from tfs_kernels.det_matmul import PDL_PREFETCH_K, det_matmul_reference, det_tile, launch_tile, tile_shape
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
-from tfs_kernels.qkv_rope_store import qkv_rope_store_fake
+from tfs_kernels.qkv_rope_store import qkv_rope_store_fake, rope_store_epilogue, rope_rows
 from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
@@ -56,30 +56,12 @@ def _det_qkv_rope_store_kernel(
         gdc_wait()
         gdc_launch_dependents()
     # the epilogue's positions, rotary rows and slots, loaded before the weight loop so that they arrive during it
-    pos = tl.load(Positions + rows, mask=row_ok, other=0).to(tl.int64)
-    cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
-    sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    slot = tl.load(Slots + rows, mask=row_ok, other=0).to(tl.int64)
+    cs, sn, slot = rope_rows(Cos, Sin, Positions, Slots, rows, row_ok, c, stride_cos, stride_sin)
     acc = det_tile(X, W, NW, rows, cols, row_ok, col_ok, K, 0, K, eps, stride_xm, stride_wn,
                    BLOCK_M, BLOCK_N, BLOCK_K, False, NORM, IEEE_DOT, SWAP_AB, LATE_NORM)  # [BLOCK_M, BLOCK_N]
     y = acc.to(W.dtype.element_ty)  # rounded as tfs::det_matmul stores the projection
-    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
-    if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        r1 = (a * cs - b * sn).to(W.dtype.element_ty)
-        r2 = (b * cs + a * sn).to(W.dtype.element_ty)
-        if h < HEADS:
-            dst = Q_out + (rows[:, None].to(tl.int64) * HEADS + h) * HEAD_DIM + c[None, :]
-            tl.store(dst, r1, mask=ok)
-            tl.store(dst + HALF, r2, mask=ok)
-        else:
-            dst = K_cache + slot[:, None] * stride_kcs + (h - HEADS) * stride_kch + c[None, :]
-            tl.store(dst, r1.to(K_cache.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF, r2.to(K_cache.dtype.element_ty), mask=ok)
-    else:  # v: into the cache as it is
-        dst = V_cache + slot[:, None] * stride_vcs + (h - HEADS - KV_HEADS) * stride_vch + c[None, :]
-        tl.store(dst, x1.to(V_cache.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
+    rope_store_epilogue(y, cs, sn, slot, rows, ok, c, h, Q_out, K_cache, V_cache, stride_kcs, stride_kch,
+                        stride_vcs, stride_vch, HEADS, KV_HEADS, HEAD_DIM, HALF, BLOCK_M, PAIRS)
 
 
 def det_qkv_rope_store_applies(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:

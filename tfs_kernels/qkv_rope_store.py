@@ -26,6 +26,44 @@ from tfs_kernels.rope_store import check_inputs, rope_store_kv_reference
 
 
 @triton.jit
+def rope_rows(Cos, Sin, Positions, Slots, rows, row_ok, c, stride_cos, stride_sin):
+    """The epilogue's inputs of ``rows`` ``[BLOCK_M]``: the rotary rows at their positions for the columns ``c``
+    ``[PAIRS]`` of a head's first half (float32 ``[BLOCK_M, PAIRS]`` each) and their cache slots (int64)."""
+    pos = tl.load(Positions + rows, mask=row_ok, other=0).to(tl.int64)
+    ok = row_ok[:, None]
+    cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
+    sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    slot = tl.load(Slots + rows, mask=row_ok, other=0).to(tl.int64)
+    return cs, sn, slot
+
+
+@triton.jit
+def rope_store_epilogue(y, cs, sn, slot, rows, ok, c, h, Q_out, K_cache, V_cache, stride_kcs, stride_kch, stride_vcs,
+                        stride_vch, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        HALF: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
+    """Head ``h``'s columns ``c`` and ``c + HALF`` of the projection ``y`` ``[BLOCK_M, 2 * PAIRS]`` (x1s, then x2s;
+    rounded to the weight's dtype): q and k rotated (rotate-half RoPE in float32, rounded to ``y``'s dtype), q into
+    ``Q_out`` ``[M, HEADS, HEAD_DIM]``, k and v into their cache ``slot``\ s."""
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
+    if h < HEADS + KV_HEADS:  # q or k
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        r1 = (a * cs - b * sn).to(y.dtype)
+        r2 = (b * cs + a * sn).to(y.dtype)
+        if h < HEADS:
+            dst = Q_out + (rows[:, None].to(tl.int64) * HEADS + h) * HEAD_DIM + c[None, :]
+            tl.store(dst, r1, mask=ok)
+            tl.store(dst + HALF, r2, mask=ok)
+        else:
+            dst = K_cache + slot[:, None] * stride_kcs + (h - HEADS) * stride_kch + c[None, :]
+            tl.store(dst, r1.to(K_cache.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, r2.to(K_cache.dtype.element_ty), mask=ok)
+    else:  # v: into the cache as it is
+        dst = V_cache + slot[:, None] * stride_vcs + (h - HEADS - KV_HEADS) * stride_vch + c[None, :]
+        tl.store(dst, x1.to(V_cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _qkv_rope_store_kernel(
     X, W, NW, Cos, Sin, Positions, K_cache, V_cache, Slots, Q_out, M, N, K, eps,
     stride_xm, stride_wn, stride_cos, stride_sin, stride_kcs, stride_kch, stride_vcs, stride_vch,
@@ -47,30 +85,12 @@ def _qkv_rope_store_kernel(
     # the epilogue's positions, rotary rows and slots, loaded before the weight loop (after the wait: the batch's
     # metadata may come from a kernel of the step) so that they arrive during it: after it they were two dependent
     # round trips (position, then its cos / sin row) at the end of every program
-    pos = tl.load(Positions + offs_m, mask=m_ok, other=0).to(tl.int64)
-    cs = tl.load(Cos + pos[:, None] * stride_cos + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M, PAIRS]
-    sn = tl.load(Sin + pos[:, None] * stride_sin + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+    cs, sn, slot = rope_rows(Cos, Sin, Positions, Slots, offs_m, m_ok, c, stride_cos, stride_sin)
     y = gemv_tile(X, W, NW, M, N, K, eps, offs_m * stride_xm, stride_wn, offs_n, w_first, NORM, False,
                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT, LATE_NORM, PRELOAD, W_EF)
     y = y.to(W.dtype.element_ty)  # [BLOCK_M, BLOCK_N], rounded as tfs::gemv stores the projection
-    x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
-    if h < HEADS + KV_HEADS:  # q or k: rotate-half RoPE in float32, rounded to the projection's dtype
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        r1 = (a * cs - b * sn).to(W.dtype.element_ty)
-        r2 = (b * cs + a * sn).to(W.dtype.element_ty)
-        if h < HEADS:
-            dst = Q_out + (offs_m[:, None] * HEADS + h) * HEAD_DIM + c[None, :]
-            tl.store(dst, r1, mask=ok)
-            tl.store(dst + HALF, r2, mask=ok)
-        else:
-            dst = K_cache + slot[:, None] * stride_kcs + (h - HEADS) * stride_kch + c[None, :]
-            tl.store(dst, r1.to(K_cache.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF, r2.to(K_cache.dtype.element_ty), mask=ok)
-    else:  # v: into the cache as it is
-        dst = V_cache + slot[:, None] * stride_vcs + (h - HEADS - KV_HEADS) * stride_vch + c[None, :]
-        tl.store(dst, x1.to(V_cache.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, x2.to(V_cache.dtype.element_ty), mask=ok)
+    rope_store_epilogue(y, cs, sn, slot, offs_m, ok, c, h, Q_out, K_cache, V_cache, stride_kcs, stride_kch,
+                        stride_vcs, stride_vch, HEADS, KV_HEADS, HEAD_DIM, HALF, BLOCK_M, PAIRS)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, int]:
