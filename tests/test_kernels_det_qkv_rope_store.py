@@ -54,6 +54,16 @@ def test_det_qkv_rope_store_interpreted(heads: int, kv_heads: int, dim: int, row
 
 
 @interpreted
+def test_det_matmuls_norm_order_is_followed_interpreted(monkeypatch) -> None:
+    """``det_matmul.LATE_NORM=False`` (the RMSNorm pass before the weight loop): the fused kernel sums as
+    ``tfs::det_matmul`` then does (v, stored unrotated, the same bits)."""
+    import tfs_kernels.det_matmul as det_matmul_module
+
+    monkeypatch.setattr(det_matmul_module, "LATE_NORM", False)
+    check(fused_args(3, 4, 2, 16, 48, True, "cpu", torch.float32, seed=11), tol=1e-4)
+
+
+@interpreted
 def test_a_row_is_the_same_bits_at_any_row_count_interpreted() -> None:
     """As ``tfs::det_matmul``'s: a token's q, k and v do not depend on the other rows of the call."""
     args = fused_args(9, 4, 2, 16, 48, True, "cpu", torch.float32, seed=5)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from tfs_kernels.det_matmul import PDL_PREFETCH_K, det_matmul_reference, det_tile, launch_tile, tile_shape
+from tfs_kernels import det_matmul as det_matmul_module
+from tfs_kernels.det_matmul import det_matmul_reference, det_tile, launch_tile, tile_shape
 from tfs_kernels.dispatch import register_cpu_reference, use_triton
 from tfs_kernels.pdl import HAS_GDC, gdc_launch_dependents, gdc_wait, prefetch_l2
 from tfs_kernels.qkv_rope_store import qkv_rope_store_fake, rope_store_epilogue, rope_rows
@@ -102,7 +103,8 @@ def launch_det_qkv_rope_store(x: torch.Tensor, w: torch.Tensor, norm_weight: Opt
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, NORM=norm_weight is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_DOT=w.dtype == torch.float32, SWAP_AB=swap,
-        LATE_NORM=True, USE_PDL=pdl, PREFETCH_K=PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
+        LATE_NORM=det_matmul_module.LATE_NORM, USE_PDL=pdl,  # (read here: bench/knobs.py --set changes both ops)
+        PREFETCH_K=det_matmul_module.PDL_PREFETCH_K if pdl and w.element_size() == 2 else 0,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return q
