@@ -43,7 +43,7 @@ def rope_store_epilogue(y, cs, sn, slot, rows, ok, c, h, Q_out, K_cache, V_cache
                         HALF: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
     """Head ``h``'s columns ``c`` and ``c + HALF`` of the projection ``y`` ``[BLOCK_M, 2 * PAIRS]`` (x1s, then x2s;
     rounded to the weight's dtype): q and k rotated (rotate-half RoPE in float32, rounded to ``y``'s dtype), q into
-    ``Q_out`` ``[M, HEADS, HEAD_DIM]``, k and v into their cache ``slot``\ s."""
+    ``Q_out`` ``[M, HEADS, HEAD_DIM]``, k and v into their cache ``slot``s."""
     x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))  # [BLOCK_M, PAIRS] each
     if h < HEADS + KV_HEADS:  # q or k
         a, b = x1.to(tl.float32), x2.to(tl.float32)
