@@ -153,7 +153,7 @@ class Engine:
         if self.spec_version != "v2":  # (v2 runs every decode step as its own iterations: no plain decode forward)
             self.runner.warmup(ForwardMode.DECODE, 1)
         warmup_extend(self.runner, [[5], [40], [3, 4], [20, 30]])
-        warmup_extend_graphs(self.runner, sc.max_running_requests)
+        warmup_extend_graphs(self.runner, sc.max_running_requests, sc.mixed_prefill)
         if self.spec_version == "v1":
             for width in self.drafter.verify_widths(spec):
                 self.runner.warmup(ForwardMode.TARGET_VERIFY, width)

@@ -40,18 +40,21 @@ def warmup_extend(runner: "ModelRunner", lens_list: list[list[int]]) -> None:
 
 
 @torch.inference_mode()
-def warmup_extend_graphs(runner: "ModelRunner", max_requests: int) -> None:
+def warmup_extend_graphs(runner: "ModelRunner", max_requests: int, mixed: bool = False) -> None:
     """Record the prefill CUDA graphs ahead of serving: every padded token count up to ``extend_graph_tokens`` for
-    steps of up to min(max_requests, 7) requests (steps of more requests record theirs when first met)."""
+    steps of up to min(max_requests, 7) requests, or of up to ``max_requests`` with ``mixed`` prefill (every
+    decoding request rides along in a prefill step); steps of more requests record theirs when first met."""
     if not runner.extend_graph_tokens:
         return
-    reqs = 1
-    while reqs <= min(max_requests, 7):
+    limit = max_requests if mixed else min(max_requests, 7)
+    padded = 2
+    while padded <= 1 << limit.bit_length():  # steps of padded // 2 .. padded - 1 requests pad to `padded`
+        reqs = padded // 2
         tokens = 16
         while tokens <= runner.extend_graph_tokens:
             n = max(reqs, tokens // 2 if tokens > 16 else reqs)  # new tokens of a step padded to `tokens`
             if n < tokens:
                 runner.forward(dummy_extend_batch([n - reqs + 1] + [1] * (reqs - 1), runner.device))
             tokens *= 2
-        reqs = 2 * reqs + 1 if reqs > 1 else 2  # 1, 2, 5: steps padded to 2, 4 and 8 requests
+        padded *= 2
     torch.cuda.synchronize()

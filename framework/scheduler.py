@@ -171,12 +171,10 @@ class Scheduler:
                 free -= self._pages_for_next(req, n)
                 reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
                 budget -= n
-        if self.cfg.mixed_prefill and reqs:  # the decoding requests ride along, one token each
-            chunked = set(map(id, reqs))
-            for req in self._decodable():
-                if id(req) not in chunked and budget > 0:
-                    reqs.append(req), lens.append(1), samples.append(True)
-                    budget -= 1
+        # mixed prefill: the decoding requests ride along with any prefill chunk (a continued one or a new
+        # admission's), one token each; their tokens come out of the budget first
+        riders = self._decodable()[:max(budget, 0)] if self.cfg.mixed_prefill else []
+        budget -= len(riders)
         # admission: the new prompt's pages must fit next to what running requests need for their next step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
@@ -201,7 +199,11 @@ class Scheduler:
             self.running.append(req)
             reqs.append(req), lens.append(n), samples.append(self._samples(req, n))
             budget -= n
-        return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples) if reqs else None
+        if not reqs:
+            return None
+        for req in riders:
+            reqs.append(req), lens.append(1), samples.append(True)
+        return ScheduledStep(ForwardMode.EXTEND, reqs, lens, samples)
 
     @staticmethod
     def _samples(req: Request, n: int) -> bool:

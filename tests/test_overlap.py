@@ -99,6 +99,34 @@ def test_mixed_prefill_gives_the_same_outputs(engines, page_size):
         assert mixed_steps  # some prefill step carried decoding requests
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_mixed_prefill_admits_a_request_next_to_decoding_ones(engines, overlap):
+    """A request that arrives while others decode is prefilled in a step that also decodes them (one token each):
+    the decoding requests do not lose a step to each admission. Same tokens as without mixing."""
+    off, _ = engines
+    llm = LLM(TINY + ["scheduler.max_running_requests=4", "scheduler.mixed_prefill=true",
+                      f"scheduler.overlap={overlap}"])
+    engine, steps = llm.engine, []
+    real = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda **kw: (lambda s: steps.append(s) or s)(real(**kw))
+    spec = [{"prompt": p, "max_tokens": 12, "ignore_eos": True} for p in PROMPTS[:3]]
+    reqs = [engine.make_request(spec[i], rid=i) for i in range(3)]
+    for req in reqs[:2]:
+        engine.submit(req)
+    while len(reqs[0].output_ids) < 3:
+        engine.step()
+    engine.submit(reqs[2])  # arrives while the first two decode
+    while engine.has_work():
+        engine.step()
+    admission = next(s for s in steps if s is not None and reqs[2] in s.reqs)
+    assert admission.mode.name == "EXTEND"
+    riders = {r.rid: n for r, n in zip(admission.reqs, admission.extend_lens) if r is not reqs[2]}
+    assert riders == {0: 1, 1: 1}
+    want = [o.token_ids for o in off.generate(spec)]
+    assert [r.output_ids for r in reqs] == want
+    engine.allocator.assert_all_free()
+
+
 def test_abort_while_a_step_is_in_flight(engines):
     off, on = engines
     engine = on.engine
