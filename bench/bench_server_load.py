@@ -84,17 +84,20 @@ async def one_request(client: openai.AsyncOpenAI, model: str, i: int, stream: bo
     return {"latency_s": time.perf_counter() - t0, "ttft_s": first, "tokens": tokens}
 
 
-def engine_steps(url: str, settle: bool = False) -> Optional[int]:
-    """The server's ``tfs_engine_steps_total`` (None where it has none); ``settle``: once it stops changing (the
-    loop counts its last steps when it goes idle)."""
+def engine_steps(url: str, settle: bool = False) -> Optional[tuple[int, int]]:
+    """The server's ``tfs_engine_steps_total`` and ``tfs_engine_prefill_steps_total`` (None where it has none;
+    0 prefill steps where it counts none); ``settle``: once they stop changing (the loop counts its last steps when
+    it goes idle)."""
     last = None
     for _ in range(50):
         try:
             text = httpx.get(url + "/metrics", timeout=10).text
         except httpx.HTTPError:
             return None
-        found = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("tfs_engine_steps_total ")]
-        now = int(found[0]) if found else None
+        found = {line.split()[0]: int(float(line.split()[-1])) for line in text.splitlines()
+                 if line.startswith(("tfs_engine_steps_total ", "tfs_engine_prefill_steps_total "))}
+        now = (found["tfs_engine_steps_total"], found.get("tfs_engine_prefill_steps_total", 0)) \
+            if "tfs_engine_steps_total" in found else None
         if not settle or now is None or now == last:
             return now
         last = now
@@ -124,9 +127,9 @@ async def run_load(url: str, model: str, clients: int, per_client: int, max_toke
     latencies = sorted(r["latency_s"] for r in done)
     ttfts = sorted(r["ttft_s"] for r in done if r["ttft_s"] is not None)
     tokens = sum(r["tokens"] for r in done)
-    counted = steps - steps0 if steps is not None and steps0 is not None else None
+    counted = (steps[0] - steps0[0], steps[1] - steps0[1]) if steps is not None and steps0 is not None else (None, 0)
     return {"clients": clients, "requests_per_client": per_client, "max_tokens": max_tokens, "stream": stream,
-            **load_result(len(done), tokens, wall, counted), "latency_p50_s": round(statistics.median(latencies), 3),
+            **load_result(len(done), tokens, wall, *counted), "latency_p50_s": round(statistics.median(latencies), 3),
             "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None}
 
@@ -206,14 +209,15 @@ def run_offline(overrides: list[str], clients: int, per_client: int, max_tokens:
     for _ in range(rounds):
         for kind, run in (("at_once", lambda: sum(len(o.token_ids) for o in llm.generate(items))),
                           ("closed_loop", lambda: closed_loop(llm.engine, items, clients))):
-            t0, steps0 = time.perf_counter(), steps[0]
+            t0, steps0, prefills0 = time.perf_counter(), steps[0], llm.engine.scheduler.num_prefill_steps
             if profiler is not None and kind == "closed_loop":
                 tokens = profiler.runcall(run)
                 profiled_steps += steps[0] - steps0
             else:
                 tokens = run()
             wall = time.perf_counter() - t0
-            runs[kind].append(load_result(requests, tokens, wall, steps[0] - steps0))
+            runs[kind].append(load_result(requests, tokens, wall, steps[0] - steps0,
+                                          llm.engine.scheduler.num_prefill_steps - prefills0))
     llm.engine.allocator.assert_all_free()
     if profiler is not None:
         print_profile(pstats.Stats(profiler), "offline closed loop (the profiler's cost included)", profile,
@@ -223,12 +227,14 @@ def run_offline(overrides: list[str], clients: int, per_client: int, max_tokens:
     return median_round(runs["at_once"]), median_round(runs["closed_loop"])
 
 
-def load_result(requests: int, tokens: int, wall: float, steps: Optional[int]) -> dict[str, Any]:
-    """One run's throughput, and its engine steps (where counted) and wall time per step."""
+def load_result(requests: int, tokens: int, wall: float, steps: Optional[int],
+                prefill_steps: int = 0) -> dict[str, Any]:
+    """One run's throughput, and its engine steps (where counted: how many of them prefilled) and wall time per
+    step."""
     out = {"requests": requests, "output_tokens": tokens, "wall_s": round(wall, 3),
            "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)}
     if steps:
-        out.update(steps=steps, ms_per_step=round(1e3 * wall / steps, 3))
+        out.update(steps=steps, prefill_steps=prefill_steps, ms_per_step=round(1e3 * wall / steps, 3))
     return out
 
 
@@ -274,7 +280,8 @@ def main() -> None:
         results = [median_round([asyncio.run(run_load(url, model_id, args.clients, args.requests, args.max_tokens,
                                                       stream)) for _ in range(args.rounds)])
                    for stream in args.stream]
-        server_steps = engine_steps(url, settle=True)
+        counters = engine_steps(url, settle=True)
+        server_steps = counters[0] if counters is not None else None
     finally:
         if proc is not None:
             proc.terminate()
@@ -286,10 +293,11 @@ def main() -> None:
             os.makedirs(args.profile_out, exist_ok=True)
             shutil.copy(profile_path, os.path.join(args.profile_out, "server.prof"))
     print(f"\n{'stream':>7} {'clients':>8} {'requests':>9} {'tokens':>7} {'wall s':>7} {'req/s':>7} {'tok/s':>8} "
-          f"{'ms/step':>8} {'p50 s':>6} {'p99 s':>6} {'ttft p50':>9}")
+          f"{'steps':>6} {'prefill':>7} {'ms/step':>8} {'p50 s':>6} {'p99 s':>6} {'ttft p50':>9}")
     for r in results:
         print(f"{r['stream']:>7} {r['clients']:>8} {r['requests']:>9} {r['output_tokens']:>7} {r['wall_s']:>7.2f} "
-              f"{r['requests_per_s']:>7.1f} {r['tokens_per_s']:>8.1f} {r.get('ms_per_step', 0):>8.3f} "
+              f"{r['requests_per_s']:>7.1f} {r['tokens_per_s']:>8.1f} {r.get('steps', 0):>6} "
+              f"{r.get('prefill_steps', 0):>7} {r.get('ms_per_step', 0):>8.3f} "
               f"{r['latency_p50_s']:>6.2f} {r['latency_p99_s']:>6.2f} {r['ttft_p50_s'] or 0:>9.3f}")
     if args.rounds > 1:
         print(f"(the median of {args.rounds} rounds; tok/s of each: "
@@ -302,7 +310,8 @@ def main() -> None:
         for what, r in ((f"all {ref['requests']} requests at once", ref),
                         (f"{args.clients} lanes of {args.requests} requests one after another", loop)):
             print(f"offline, {what}: {r['requests_per_s']:.1f} req/s, {r['tokens_per_s']:.1f} tok/s "
-                  f"({r['output_tokens']} tokens in {r['wall_s']:.2f} s, {r.get('steps', 0)} steps, "
+                  f"({r['output_tokens']} tokens in {r['wall_s']:.2f} s, {r.get('steps', 0)} steps of which "
+                  f"{r.get('prefill_steps', 0)} prefilled, "
                   f"{r.get('ms_per_step', 0):.3f} ms a step)"
                   + (f"; tok/s of each round: {r['rounds_tokens_per_s']}" if args.rounds > 1 else ""))
         for r in results:

@@ -71,6 +71,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests (first admission)
         self.num_cached_prompt_tokens = 0  # of them, served by the prefix cache
         self.num_prefill_tokens = 0  # tokens prefilled (EXTEND forwards; re-prefills after preemption included)
+        self.num_prefill_steps = 0  # EXTEND steps launched (mixed prefill: decoding requests may ride along)
         self.prefix = PrefixSharing(allocator)  # the prefix cache's side of admission and freeing
         # ModelRunner.stage, set by the engine when forwards run from static buffers: a decode batch's inputs are
         # written into the graph's static buffers (it must return them for every DECODE batch)
@@ -258,6 +259,7 @@ class Scheduler:
 
     def commit_launch(self, step: ScheduledStep) -> None:
         """A launched step's positions count at once; the tokens it samples are pending until :meth:`process`."""
+        self.num_prefill_steps += step.mode is ForwardMode.EXTEND
         for req, n, gets_token in zip(step.reqs, step.extend_lens, step.samples):
             if step.mode is ForwardMode.EXTEND and not req.prefilled:
                 self.num_prefill_tokens += n

@@ -382,6 +382,9 @@ def test_metrics_endpoint(server, client):
         samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
                    for s in fam.samples if not s.labels}
     assert samples["tfs_engine_steps_total"] == server.loop.num_steps >= 5
+    # of them the prefill steps (one at least: this request's), as the scheduler counted them
+    prefills = server.loop.engine.scheduler.num_prefill_steps
+    assert samples["tfs_engine_prefill_steps_total"] == prefills and 1 <= prefills < server.loop.num_steps
 
 
 def test_prefix_cache_metrics(server, client, tiny_llm):

@@ -270,8 +270,8 @@ class EngineLoop:
         if self.engine.has_work() and now - self._load_updated < LOAD_INTERVAL_S:
             return
         self._load_updated = now
-        self.metrics.set_steps(self.num_steps)
         scheduler, allocator = self.engine.scheduler, self.engine.allocator
+        self.metrics.set_steps(self.num_steps, scheduler.num_prefill_steps)
         total = allocator.num_pages * allocator.page_size
         self.metrics.set_load(len(scheduler.waiting), len(scheduler.running),
                               allocator.num_used_slots / total if total else 0.0)

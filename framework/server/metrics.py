@@ -50,6 +50,9 @@ class ServerMetrics:
                                  "cache holds", registry=r)
         self.engine_steps = Counter("tfs_engine_steps", "Engine steps run (each one forward of the target model: a "
                                     "prefill, a decode or a speculative iteration)", registry=r)
+        self.prefill_steps = Counter("tfs_engine_prefill_steps", "Engine steps that prefilled prompt tokens (with "
+                                     "scheduler.mixed_prefill the decoding requests ride along; without, they wait "
+                                     "a step)", registry=r)
         self.spec_steps = Counter("tfs_spec_verify_steps", "Speculative verify steps of ended requests", registry=r)
         self.spec_accepted = Counter("tfs_spec_accepted_tokens", "Tokens emitted by verify steps of ended requests "
                                      "(accepted drafts plus the bonus token)", registry=r)
@@ -65,6 +68,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._spec_totals = [0, 0]  # verify steps, accepted tokens
         self._steps_counted = 0  # engine steps the counter holds
+        self._prefill_steps_counted = 0  # ... and prefill steps
         self._cache_totals = (0, 0, 0)  # prompt tokens, cached prompt tokens, prefilled tokens: the scheduler's last
         self.tokens_per_s.set_function(self._tokens_per_s)
 
@@ -100,11 +104,15 @@ class ServerMetrics:
         self.running.set(running)
         self.kv_usage.set(kv_usage)
 
-    def set_steps(self, steps: int) -> None:
-        """The engine loop's step count so far (the counter advances by the difference)."""
+    def set_steps(self, steps: int, prefill_steps: int = 0) -> None:
+        """The engine loop's step count so far, and how many of them prefilled (the counters advance by the
+        difference)."""
         if steps > self._steps_counted:
             self.engine_steps.inc(steps - self._steps_counted)
             self._steps_counted = steps
+        if prefill_steps > self._prefill_steps_counted:
+            self.prefill_steps.inc(prefill_steps - self._prefill_steps_counted)
+            self._prefill_steps_counted = prefill_steps
 
     def set_prefix_cache(self, prompt_tokens: int, cached_tokens: int, prefill_tokens: int,
                          cache_usage: float) -> None:
