@@ -157,6 +157,28 @@ def test_text_deltas_hold_back_partial_characters_and_stop_prefixes():
     assert stop_prefix_len("xxSTO", ["STOP", "O"]) == 3 and stop_prefix_len("abc", []) == 0
 
 
+def test_events_cross_the_engine_process_pipe_unchanged():
+    """What the engine process sends for each event (``Event.wire``, pickled) is the same event on the other side,
+    for every kind, an error's included; a stream without stop strings sends all its text at once."""
+    import pickle
+
+    from framework.server.events import Event
+    from framework.server.protocol import APIError
+
+    events = [Event("accepted", prompt_tokens=7), Event("delta", text="héllo"),
+              Event("finish", text=" end", finish_reason="stop", prompt_tokens=7, completion_tokens=3),
+              Event("error", error=APIError("bad field", status=400))]
+    for event in events:
+        back = Event.from_wire(pickle.loads(pickle.dumps(event.wire(), pickle.HIGHEST_PROTOCOL)))
+        assert (back.kind, back.text, back.finish_reason, back.prompt_tokens, back.completion_tokens) == \
+            (event.kind, event.text, event.finish_reason, event.prompt_tokens, event.completion_tokens)
+        assert (back.error is None) == (event.error is None)
+        if event.error is not None:
+            assert str(back.error) == str(event.error) and back.error.status == 400
+    deltas = TextDeltas([])
+    assert deltas.update("ab") == "ab" and deltas.update("abcd") == "cd" and deltas.sent == "abcd"
+
+
 def test_a_stream_that_falls_behind_gets_what_piled_up_in_one_chunk():
     """Deltas queued behind the one a slow stream wakes for are sent as one chunk (with the finish when it is
     queued too), in order, and nothing is lost."""

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 
 def _portable(err: BaseException) -> BaseException:
     """``err`` if it survives pickling, else a RuntimeError with its text (an error must reach the other side)."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(err))
         return err
@@ -60,7 +59,20 @@ class _PipeSink:
         self.send = send
 
     def deliver(self, items: list[tuple[Any, Event]]) -> None:
-        self.send(("events", items))
+        self.send(("events", [(target, event.wire()) for target, event in items]))
+
+
+def pipe_sender(conn: Any) -> Callable[[tuple], None]:
+    """The engine process's ``send(message)`` on ``conn``: any thread; the message pickled as ``conn.send`` would,
+    without its pickler's set-up for every message (the HTTP side reads it with ``conn.recv``)."""
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with lock:
+            conn.send_bytes(data)
+
+    return send
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -87,12 +99,7 @@ def engine_main(config: Config, conn: Any, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with lock:
-            conn.send(message)
-
+    send = pipe_sender(conn)
     loop = EngineLoop(lambda: Engine(config), profile=config.run.profile)
     try:
         loop.start()
@@ -255,7 +262,7 @@ class EngineProcess:
             while True:
                 kind, *payload = self._conn.recv()
                 if kind == "events":
-                    self._dispatch(payload[0])
+                    self._dispatch([(rid, Event.from_wire(fields)) for rid, fields in payload[0]])
                 elif kind == "metrics":
                     self.metrics.replies.put((payload[0], payload[1]))
                 elif kind == "fatal":

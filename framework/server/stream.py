@@ -32,25 +32,33 @@ class TextDeltas:
     def __init__(self, stops: list[str]) -> None:
         self.stops = list(stops)
         self.longest = max((len(s) for s in self.stops), default=0)
-        self.sent = ""
+        self._text = ""  # the text of the last call, whose first ``_sent`` characters have been sent
+        self._sent = 0
+
+    @property
+    def sent(self) -> str:
+        """The text sent so far."""
+        return self._text[:self._sent]
 
     def update(self, text: str) -> str:
         """The part of ``text`` (the output's text so far, which extends the text of earlier calls) that is safe
         to send now."""
         end = len(text)
-        while end > len(self.sent) and text[end - 1] == REPLACEMENT_CHAR:
+        while end > self._sent and text[end - 1] == REPLACEMENT_CHAR:
             end -= 1
-        end -= stop_prefix_len(text[max(0, end - self.longest):end], self.stops)
-        if end <= len(self.sent):
+        if self.stops:
+            end -= stop_prefix_len(text[max(0, end - self.longest):end], self.stops)
+        if end <= self._sent:
             return ""
-        delta = text[len(self.sent):end]
-        self.sent += delta
+        delta = text[self._sent:end]
+        self._text, self._sent = text, end
         return delta
 
     def finish(self, final_text: str) -> str:
         """The rest of the request's final text (stop strings already cut by the engine)."""
-        if not final_text.startswith(self.sent):  # cannot take text back: send what lies beyond it
-            log.warning("streamed text %r is not a prefix of the final text %r", self.sent[-20:], final_text[-20:])
-        delta = final_text[len(self.sent):]
-        self.sent = final_text
+        sent = self.sent
+        if not final_text.startswith(sent):  # cannot take text back: send what lies beyond it
+            log.warning("streamed text %r is not a prefix of the final text %r", sent[-20:], final_text[-20:])
+        delta = final_text[self._sent:]
+        self._text, self._sent = final_text, len(final_text)
         return delta
