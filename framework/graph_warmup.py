@@ -57,4 +57,5 @@ def warmup_extend_graphs(runner: "ModelRunner", max_requests: int, mixed: bool =
                 runner.forward(dummy_extend_batch([n - reqs + 1] + [1] * (reqs - 1), runner.device))
             tokens *= 2
         padded *= 2
-    torch.cuda.synchronize()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()

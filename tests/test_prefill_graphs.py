@@ -14,6 +14,7 @@ from framework import LLM
 from framework.batch import ForwardMode
 from framework.config import ConfigError, compose
 from framework.graph_inputs import extend_graph_shape, pad_extend
+from framework.graph_warmup import warmup_extend_graphs
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from tests.conftest import TINY
 
@@ -69,3 +70,22 @@ def test_prefill_graphs_only_where_forwards_are_captured(engine):
     assert engine.runner.extend_graph_tokens == 0  # eager on the CPU: no CUDA graphs
     with pytest.raises(ConfigError, match="compile.prefill_graph_tokens"):
         compose(TINY + ["compile.prefill_graph_tokens=-1"])
+
+
+@pytest.mark.parametrize("max_requests,mixed", [(1, False), (4, False), (16, False), (8, True), (16, True)])
+def test_start_up_records_every_prefill_graph_a_step_can_meet(max_requests, mixed):
+    """Start-up records the prefill graph of every (requests, tokens) shape a prefill step can take: steps of up to
+    7 requests, or, with mixed prefill (every decoding request rides along), of up to ``max_requests``."""
+
+    class Runner:  # what warmup_extend_graphs uses of a ModelRunner: the shapes of the forwards it runs
+        extend_graph_tokens, device, shapes = 128, torch.device("cpu"), set()
+
+        def forward(self, batch):
+            self.shapes.add(extend_graph_shape(batch.input_ids.shape[0], batch.bs, self.extend_graph_tokens))
+
+    runner = Runner()
+    warmup_extend_graphs(runner, max_requests, mixed)
+    limit = max_requests if mixed else min(max_requests, 7)
+    wanted = {extend_graph_shape(n, reqs, 128) for reqs in range(1, limit + 1) for n in range(reqs, 128)}
+    assert None not in runner.shapes and wanted - {None} <= runner.shapes
+
