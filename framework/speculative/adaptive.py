@@ -85,8 +85,11 @@ class DraftLengthController:
         self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
-        self.shadow_reached = [0.0] * max_depth  # [i]: unverified drafts whose position i was compared (decayed)
-        self.shadow_agreed = [0.0] * max_depth  # [i]: those whose position i agreed
+        self.shadow_reached = np.zeros(max_depth)  # [i]: unverified drafts whose position i was compared (decayed)
+        self.shadow_agreed = np.zeros(max_depth)  # [i]: those whose position i agreed
+        m = np.arange(max_depth + 1)
+        # [k, m]: draft positions a depth-K iteration stands for, per iteration of depth k, when m drafts agree
+        self._visits = (1 + m)[None, :] / (1 + np.minimum(m[None, :], m[:, None]))
         # per request, by its row: [row, 2 * max_depth] the same counts of its own drafts (reached, then agreed),
         # decayed by request_decay per draft it starts; prior: how many positions the shared estimate weighs as
         self.request_decay, self.prior = request_decay, prior
@@ -118,20 +121,18 @@ class DraftLengthController:
         if self.shadow:
             if self.shadow_reached[0] <= 0:
                 return [1.0] * (top + 1)
-            chances, chance = [], 1.0  # [i]: position i agrees, given that 0 .. i - 1 did
-            for reached, agreed in zip(self.shadow_reached, self.shadow_agreed):
+            chances, chance = np.empty(top), 1.0  # [i]: position i agrees, given that 0 .. i - 1 did
+            for i, (reached, agreed) in enumerate(zip(self.shadow_reached.tolist(), self.shadow_agreed.tolist())):
                 chance = agreed / reached if reached > 0 else chance
-                chances.append(chance)
+                chances[i] = chance
             counted = [] if rows is None else [r for r in rows if r < self._rows.shape[0]]  # (others: none yet)
             if counted:
                 pooled = self._rows[counted].sum(axis=0)  # [2 * K]
-                chances = ((pooled[top:] + self.prior * np.asarray(chances)) / (pooled[:top] + self.prior)).tolist()
-            at_least = [1.0]  # P(m >= d), d = 0 .. K
-            for chance in chances:
-                at_least.append(at_least[-1] * chance)
-            exactly = [at_least[m] - (at_least[m + 1] if m < top else 0.0) for m in range(top + 1)]  # P(m)
-            tokens = sum(p * (1 + m) for m, p in enumerate(exactly))  # per draft position at depth K's
-            return [tokens / sum(p * (1 + m) / (1 + min(m, k)) for m, p in enumerate(exactly)) for k in range(top + 1)]
+                chances = (pooled[top:] + self.prior * chances) / (pooled[:top] + self.prior)
+            at_least = np.concatenate([[1.0], np.cumprod(chances)])  # P(m >= d), d = 0 .. K
+            exactly = at_least - np.append(at_least[1:], 0.0)  # P(m)
+            tokens = exactly @ np.arange(1.0, top + 2)  # per draft position at depth K's
+            return (tokens / (self._visits @ exactly)).tolist()
         out, total, rate = [1.0], 1.0, 1.0
         for d in range(1, top + 1):
             rate = min(rate, self.hits[d] / self.seen[d] if self.seen[d] > 0 else 1.0)
@@ -264,9 +265,9 @@ class DraftLengthController:
         if self.shadow:
             top = self.max_depth
             counts = np.zeros((0, 2 * top)) if shadow is None else np.asarray(shadow, dtype=float).reshape(-1, 2 * top)
-            total = counts.sum(axis=0).tolist() if len(counts) else [0.0] * 2 * top
-            self.shadow_reached = [n * self.decay + r for n, r in zip(self.shadow_reached, total[:top])]
-            self.shadow_agreed = [n * self.decay + a for n, a in zip(self.shadow_agreed, total[top:])]
+            total = counts.sum(axis=0)  # [2 * K]
+            self.shadow_reached = self.shadow_reached * self.decay + total[:top]
+            self.shadow_agreed = self.shadow_agreed * self.decay + total[top:]
             if rows is not None and len(rows):
                 if max(rows) >= self._rows.shape[0]:
                     grown = np.zeros((max(max(rows) + 1, 2 * self._rows.shape[0]), 2 * top))
