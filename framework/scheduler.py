@@ -119,6 +119,12 @@ class Scheduler:
         """Pages a decode (or speculative) step of ``reqs`` needs on top of what they hold."""
         return sum(self._pages_for_next(r, self.reserve_tokens) for r in reqs)
 
+    def _step_fits(self, reqs: list[Request]) -> bool:
+        """Whether the free pages hold a decode (or speculative) step of ``reqs``; no request lacks more than the
+        pages of ``reserve_tokens`` positions (its pages cover its K/V), so most steps need no count."""
+        free = self.allocator.num_free_pages
+        return len(reqs) * self.allocator.pages_for(self.reserve_tokens) <= free or self._step_pages(reqs) <= free
+
     def preempt(self, req: Request) -> None:
         """Retract a running request: free its KV and queue it first; it re-runs from prompt + generated tokens
         (the re-prefill covers every generated token but the last), so nothing is lost."""
@@ -140,13 +146,14 @@ class Scheduler:
 
         ``allow_preempt=False`` (a launched step's tokens are not on the host yet): where a preemption would be
         needed, or nothing can run until those tokens arrive, return None instead."""
-        step = self._extend()
-        if step is not None:
-            return step
         decoding = self._decodable()
+        if self.waiting or len(decoding) < len(self.running):  # (else no request has a prompt chunk to run)
+            step = self._extend()
+            if step is not None:
+                return step
         # preempt the newest while the decode step's pages do not fit, or while nothing can run at all (chunked
         # prefills holding the pages each other need)
-        while len(self.running) > 1 and (not decoding or self._step_pages(decoding) > self.allocator.num_free_pages):
+        while len(self.running) > 1 and (not decoding or not self._step_fits(decoding)):
             if not allow_preempt:
                 return None
             victim = self.running[-1]  # the newest
