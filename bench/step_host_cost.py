@@ -1,0 +1,97 @@
+"""The engine's own host work per step that does not depend on the device: the scheduler's choice of the next step
+(``Scheduler.schedule``) in a steady decode, and speculation's adaptive draft-length controller
+(``DraftLengthController.choose`` + ``record``) per iteration, at each ``--batch`` size. Where the host limits a
+small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
+
+The scheduler is timed inside a real engine (``model=tiny_llama compile=eager`` unless overridden after ``--``)
+generating ``--tokens`` tokens for each of ``batch`` requests (the second of two runs, so the timed one starts warm);
+the controller on synthetic feedback (every depth measured, random per-request shadow counts). Prints the median of
+``--runs`` runs of microseconds per step or iteration.
+
+    .venv/bin/python bench/step_host_cost.py --batch 8 64
+
+On the CPU machine this runs in about 20 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from framework import LLM  # noqa: E402
+from framework.scheduler import Scheduler  # noqa: E402
+from framework.speculative.adaptive import DraftLengthController, record_iteration  # noqa: E402
+
+
+def schedule_us(batch: int, tokens: int, overrides: list[str]) -> float:
+    """Microseconds per ``Scheduler.schedule`` call over a generate job of ``batch`` requests."""
+    spent = [0.0, 0]
+    original = Scheduler.schedule
+
+    def timed(self: Scheduler, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        return out
+
+    llm = LLM(["model=tiny_llama", "compile=eager", f"scheduler.max_running_requests={batch}", *overrides])
+    items = [dict(prompt="a b c d e f a b c d e f a b c " * 3, max_tokens=tokens, ignore_eos=True)] * batch
+    Scheduler.schedule = timed
+    try:
+        llm.generate(items)
+        spent[:] = [0.0, 0]
+        llm.generate(items)
+    finally:
+        Scheduler.schedule = original
+        llm.close()
+    return 1e6 * spent[0] / spent[1]
+
+
+def controller_us(batch: int, iterations: int, depth: int = 5) -> tuple[float, float]:
+    """(choose, record) microseconds per iteration of a shadow-acceptance controller at ``batch`` requests."""
+    rng = np.random.default_rng(0)
+    ctl, lengths, rows = DraftLengthController(depth, shadow=True), {}, list(range(batch))
+
+    def feedback(k: int) -> tuple:
+        seconds = 1e-3 * (1 + 0.1 * k) * (1 + 0.01 * rng.random())
+        return batch, k, [1 + min(k, 2)] * batch, seconds, rng.integers(0, 2, size=(batch, 2 * depth)), rows
+
+    for k in range(depth + 1):  # every depth measured twice: the steady state
+        for _ in range(2):
+            record_iteration(ctl, lengths, *feedback(k))
+    choose = record = 0.0
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        k = ctl.choose(batch, rows)
+        t1 = time.perf_counter()
+        record_iteration(ctl, lengths, *feedback(k))
+        choose, record = choose + t1 - t0, record + time.perf_counter() - t1
+    return 1e6 * choose / iterations, 1e6 * record / iterations
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request of the scheduler's job")
+    ap.add_argument("--iterations", type=int, default=2000, help="controller iterations per run")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the scheduler's engine")
+    args = ap.parse_args()
+    print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}")
+    for batch in args.batch:
+        sched = statistics.median(schedule_us(batch, args.tokens, args.overrides) for _ in range(args.runs))
+        ctl = [controller_us(batch, args.iterations) for _ in range(args.runs)]
+        choose, record = (statistics.median(c[i] for c in ctl) for i in (0, 1))
+        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
