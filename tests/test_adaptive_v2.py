@@ -8,7 +8,8 @@
   tokens; always the largest width gives the fixed-depth worker's seeded samples (same draws);
 - forced exploration runs every width through the verify forward, costs are measured per (batch size, depth), the
   metrics report the chosen depths, and the KV contract holds at every width (no page an in-flight iteration may
-  write is freed, nothing leaks, with preemption).
+  write is freed, nothing leaks, with preemption);
+- on CUDA an iteration's cost is the longer of its GPU time and the host's own time per iteration (HostClock).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from framework.batch import ForwardMode
 from framework.config import SpeculativeConfig
 from framework.kv import DUMMY_ROW
 from framework.speculative.adaptive import DraftLengthController
-from framework.speculative.adaptive_v2 import ShadowAcceptance
+from framework.speculative.adaptive_v2 import HostClock, ShadowAcceptance
 from framework.speculative.ngram import ngram_chain_device
 from framework.speculative.version import resolve_version
 from tests.conftest import TINY
@@ -216,3 +217,19 @@ def test_each_width_compiles_apart_with_its_width_a_constant():
     assert len(graphs) == 10  # widths x (batch size 1, a dynamic batch size)
     # each width: rows [1], then (the batch size, rows [s]); a symbolic width would be one more input
     assert [len(inputs) for inputs in graphs] == [1, 2] * 5
+
+
+def test_host_clock_costs_the_longer_of_gpu_and_host_time():
+    """The host's own time per iteration is launch to next launch less the time blocked on results; a stretch with a
+    prefill step in it, or the first one, counts nothing, and an iteration without a host time of its own takes the
+    latest measured."""
+    clock = HostClock()
+    assert clock.launch(0.0) is None  # nothing launched before
+    clock.waited(0.3)
+    assert clock.launch(1.0) == pytest.approx(0.7)
+    clock.dirty()  # a prefill step between two iterations
+    assert clock.launch(2.0) is None
+    assert clock.launch(2.5) == pytest.approx(0.5)
+    assert clock.cost(0.2, None) == pytest.approx(0.5)  # host-bound: the latest host time
+    assert clock.cost(0.9, 0.5) == pytest.approx(0.9)  # device-bound: the GPU time
+    assert HostClock().cost(0.2, None) == pytest.approx(0.2)  # no host time yet

@@ -184,3 +184,43 @@ class ShadowAcceptance:
     def split(self, tail: np.ndarray, padded_bs: int) -> np.ndarray:
         """Host: the end of an iteration's result -> its per-request counts ``[padded_bs, 2 * depth]``."""
         return tail[-padded_bs * 2 * self.depth:].reshape(padded_bs, 2 * self.depth)
+
+
+class HostClock:
+    """The host's own time per iteration, for the adaptive depth's costs on CUDA: from one iteration's launch to
+    the next one's, less the time the host spent blocked on results in between (:meth:`waited`).
+
+    An iteration's GPU time alone (its CUDA events) undercounts where the host limits the loop (a small model: the
+    host's launch, result handling and scheduling take longer than the device's work), and there a plain step costs
+    the user what a deeper verify does. The cost the controller learns is therefore ``max(GPU time, host time)``,
+    the period of the overlapped loop at that depth. A stretch in which a prefill step was launched (:meth:`dirty`),
+    or that began before anything was launched, gives no host time; an iteration without one of its own (the last
+    before a prefill; without overlap, the host applies an iteration before it launches the next) takes the latest
+    measured."""
+
+    def __init__(self) -> None:
+        self._t0: Optional[float] = None  # the last launch's start
+        self._waited = 0.0
+        self._clean = False
+        self.latest: Optional[float] = None  # the latest host time measured
+
+    def launch(self, t0: float) -> Optional[float]:
+        """An iteration's launch starts at ``t0``: returns the host time of the previous one (None where unknown)."""
+        host = max(0.0, t0 - self._t0 - self._waited) if self._clean and self._t0 is not None else None
+        if host is not None:
+            self.latest = host
+        self._t0, self._waited, self._clean = t0, 0.0, True
+        return host
+
+    def waited(self, seconds: float) -> None:
+        """The host was blocked on a result for ``seconds``."""
+        self._waited += seconds
+
+    def dirty(self) -> None:
+        """Something other than an iteration was launched (a prefill step): the current stretch is not one."""
+        self._clean = False
+
+    def cost(self, gpu_s: float, host_s: Optional[float]) -> float:
+        """An iteration's cost: its GPU time, or its host time (else the latest measured) where that is longer."""
+        host = host_s if host_s is not None else self.latest
+        return gpu_s if host is None else max(gpu_s, host)

@@ -38,8 +38,8 @@ from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
 from framework.speculative.adaptive import DraftLengthController, record_iteration
-from framework.speculative.adaptive_v2 import (ShadowAcceptance, any_width_program, capture_widths, iteration_widths,
-                                               mark_any_width, width_programs)
+from framework.speculative.adaptive_v2 import (HostClock, ShadowAcceptance, any_width_program, capture_widths,
+                                               iteration_widths, mark_any_width, width_programs)
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
@@ -63,6 +63,7 @@ class SpecLaunched:
     events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, accepted, extended
     q: int  # verify tokens per request (the root and q - 1 drafts)
     wall_s: float  # the host's time launching it (on the CPU: its computation)
+    host_s: Optional[float] = None  # CUDA: the host's own time from its launch to the next (adaptive_v2.HostClock)
 
 
 class SpecV2Worker:
@@ -83,6 +84,8 @@ class SpecV2Worker:
         self.shadow = ShadowAcceptance(table.shape[0], cfg.num_steps, self.device) \
             if cfg.adaptive and drafter.drafts_on_device else None
         self.adaptive = DraftLengthController(cfg.num_steps, shadow=self.shadow is not None) if cfg.adaptive else None
+        self._clock = HostClock()  # adaptive on CUDA: an iteration costs the longer of its GPU and host times
+        self._last: Optional[SpecLaunched] = None  # the last iteration launched
         self._assigned: dict[int, int] = {}  # request row -> positions [0, n) that have slots
         self._inflight: list[SpecLaunched] = []
         self._events: list[list[torch.cuda.Event]] = []  # CUDA events of applied iterations, for reuse
@@ -155,6 +158,7 @@ class SpecV2Worker:
         whose prompt it completes get their token history (prompt, generated tokens, and the token the step
         samples, still on the device)."""
         self.drafter.on_prefill_launch(step, batch, hidden, sampled)
+        self._clock.dirty()
         rows, seqs, prompt_lens, index, samples = [], [], [], [], []
         for i, (req, n, gets) in enumerate(zip(step.reqs, step.extend_lens, step.samples)):
             if req.prefilled or req.kv_len + n < req.prefill_target:
@@ -223,6 +227,9 @@ class SpecV2Worker:
     def _run(self, step: ScheduledStep, rows: torch.Tensor, bounds: list[int], sampling: SamplingBatch,
              q: int) -> SpecLaunched:
         padded_bs, t0 = rows.shape[0], time.perf_counter()
+        host_s = self._clock.launch(t0)
+        if self._last is not None:
+            self._last.host_s = host_s
         events = None
         if self.device.type == "cuda":  # (reused once an iteration's times are read: creating events costs host time)
             events = self._events.pop() if self._events else [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -279,6 +286,7 @@ class SpecV2Worker:
                   events: Optional[list[torch.cuda.Event]], q: int, t0: float) -> SpecLaunched:
         """The queued iteration, its result on its way to the host."""
         launched = SpecLaunched(step, padded_bs, AsyncCopy(out), events, q, time.perf_counter() - t0)
+        self._last = launched
         for req in step.reqs:
             req.spec_inflight += 1
         self._inflight.append(launched)
@@ -291,7 +299,9 @@ class SpecV2Worker:
 
     def complete(self, launched: SpecLaunched) -> list[Request]:
         """Apply an iteration's result (waiting for it if it has not arrived); returns the finished requests."""
+        t0 = time.perf_counter()
         host = launched.result.numpy()
+        self._clock.waited(time.perf_counter() - t0)
         self._inflight.remove(launched)
         sched, alloc, q = self.engine.scheduler, self.engine.allocator, self.q
         padded_bs = launched.padded_bs
@@ -317,6 +327,8 @@ class SpecV2Worker:
                 self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
         bs = len(launched.step.reqs)
         seconds = self._account(lens[:bs], launched)
+        if launched.events is not None:  # (on the CPU the launch's wall time is the whole iteration)
+            seconds = self._clock.cost(seconds, launched.host_s)
         if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
             shadow = rows = None
             if self.shadow is not None:  # the requests still running (another may hold a finished one's row now)
