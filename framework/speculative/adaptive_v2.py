@@ -6,8 +6,9 @@ root and ``k`` drafts; ``k = 0`` is a plain decode step (the root alone, whose b
 token). The host's :class:`~framework.speculative.adaptive.DraftLengthController` picks ``k`` for the batch when
 :class:`~framework.speculative.worker_v2.SpecV2Worker` launches an iteration, from what it has learnt so far:
 iteration N's accept lengths and cost reach the host while N+1 runs, so the choice lags one iteration behind. The
-cost of an iteration is its GPU time on CUDA (its CUDA events, from drafting to the end of acceptance) and its wall
-time on the CPU (where launching it computes it). The KV contract does not change with the width: slots are
+cost of an iteration is, on CUDA, the longer of its GPU time (its CUDA events, from drafting to the end of
+acceptance) and the host's own time per iteration (:class:`HostClock`), and its wall time on the CPU (where launching
+it computes it). The KV contract does not change with the width: slots are
 assigned through the largest width, ``num_steps + 1``, so a pending iteration of any width is covered.
 
 The prepare-and-verify program, which holds the model, is a program per width (:func:`width_programs`):
