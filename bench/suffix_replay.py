@@ -5,6 +5,7 @@ beside n-gram chains and the bound of any drafter that drafts paths of the same 
 
     .venv/bin/python bench/suffix_replay.py --prompts bench/prompts/shared.jsonl
     .venv/bin/python bench/suffix_replay.py --knobs "" "max_spec_factor=4" "max_spec_factor=8 min_token_prob=0"
+    .venv/bin/python bench/suffix_replay.py --max-tokens 256 --outputs .suffix_replay_256.json --ngram-steps 4 1 2 3 5 6 7 8
 
 Printed per drafter and pass: tokens per iteration, counted as the engine's ``mean_accept_len`` counts them (an
 iteration without a draft is a plain step of one token). ``bound`` follows, at every step, the true continuation
@@ -130,12 +131,16 @@ def main() -> None:
     ap.add_argument("--outputs", default=".suffix_replay.json", help="cache of the plain outputs ('' : none)")
     ap.add_argument("--knobs", nargs="+", default=[""],
                     help="suffix knob sets, each 'name=value ...' over the conf's defaults ('': the defaults)")
+    ap.add_argument("--ngram-steps", type=int, nargs="+", default=[5],
+                    help="n-gram chains at these depths too (the suffix ratios are against the first)")
     args = ap.parse_args()
     pairs = plain_outputs(args.prompts, args.max_tokens, args.outputs)
     print(f"{len(pairs)} requests, {sum(len(o) for _, o in pairs)} tokens, {args.prompts}; tokens per iteration, "
           f"first / repeat pass")
-    ngram = ngram_run(pairs, 2)
-    print(f"{'ngram (chains, num_steps 5)':>44}  {ngram[0]:.3f} / {ngram[1]:.3f}")
+    chains = {steps: ngram_run(pairs, 2, num_steps=steps) for steps in args.ngram_steps}
+    for steps, got in chains.items():
+        print(f"{f'ngram (chains, num_steps {steps})':>44}  {got[0]:.3f} / {got[1]:.3f}")
+    ngram = chains[args.ngram_steps[0]]
     for text in args.knobs:
         knobs = parse_knobs(text)
         got = suffix_run(pairs, knobs, 2)
