@@ -148,7 +148,7 @@ class Scheduler:
         needed, or nothing can run until those tokens arrive, return None instead."""
         decoding = self._decodable()
         if self.waiting or len(decoding) < len(self.running):  # (else no request has a prompt chunk to run)
-            step = self._extend()
+            step = self._extend(decoding)
             if step is not None:
                 return step
         # preempt the newest while the decode step's pages do not fit, or while nothing can run at all (chunked
@@ -161,11 +161,12 @@ class Scheduler:
             if victim in decoding:
                 decoding.remove(victim)
         if not decoding:
-            return self._extend() if self.running else None  # a lone chunked prefill: the pool holds all of it
+            return self._extend(decoding) if self.running else None  # a lone chunked prefill: the pool holds all of it
         return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding), [True] * len(decoding))
 
-    def _extend(self) -> Optional[ScheduledStep]:
-        """The next prefill chunks (continued ones first, then newly admitted requests), or None."""
+    def _extend(self, decoding: list[Request]) -> Optional[ScheduledStep]:
+        """The next prefill chunks (continued ones first, then newly admitted requests), or None; ``decoding``: the
+        running requests whose next step is a decode (:meth:`_decodable`), riders with mixed prefill."""
         budget = self.cfg.max_prefill_tokens
         reqs, lens, samples = [], [], []
         # free pages, less what the prefilled requests' next decode (or verify) step needs
@@ -181,7 +182,7 @@ class Scheduler:
                 budget -= n
         # mixed prefill: the decoding requests ride along with any prefill chunk (a continued one or a new
         # admission's), one token each; their tokens come out of the budget first
-        riders = self._decodable()[:max(budget, 0)] if self.cfg.mixed_prefill else []
+        riders = decoding[:max(budget, 0)] if self.cfg.mixed_prefill else []
         budget -= len(riders)
         # admission: the new prompt's pages must fit next to what running requests need for their next step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
