@@ -10,7 +10,7 @@ compiles (``torch.compile(mode="reduce-overhead")`` at the captured batch sizes)
    (``tfs::fill_bonus_tokens``, the next root) appended to the token history.
 
 The accept lengths and tokens go to the host through pinned memory; the host applies them (stop checks,
-detokenization, streaming, freeing) while the next iteration runs (the engine's overlapped loop).
+detokenization, streaming, freeing: :mod:`v2_results`) while the next iteration runs (the engine's overlapped loop).
 
 KV contract: the host does not know an in-flight iteration's accept lengths, so an iteration launched while one is
 pending assigns slots through the largest advance the pending one can make: positions ``[L, L + 2 * q)`` for a
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -37,13 +36,14 @@ from framework.kv import DUMMY_ROW
 from framework.request import Request
 from framework.sampling.device_params import DeviceSamplingParams
 from framework.scheduler import ScheduledStep
-from framework.speculative.adaptive import DraftLengthController, record_iteration
+from framework.speculative.adaptive import DraftLengthController
 from framework.speculative.adaptive_v2 import (HostClock, ShadowAcceptance, any_width_program, capture_widths,
                                                iteration_widths, mark_any_width, width_programs)
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
 from framework.speculative.fused_iteration import FusedIteration
 from framework.speculative.token_history import TokenHistory
+from framework.speculative.v2_results import SpecLaunched, apply_result
 from framework.speculative.worker import SpecStats
 from framework.transfer import AsyncCopy, upload
 
@@ -51,19 +51,6 @@ from framework.transfer import AsyncCopy, upload
 def v2_kv_width(cfg: SpeculativeConfig) -> int:
     """Row positions past the committed length that v2 may assign: two iterations' verify tokens, plus one."""
     return 2 * (cfg.num_steps + 1) + 1
-
-
-@dataclass
-class SpecLaunched:
-    """An iteration queued on the device; its accept lengths and tokens are on their way to the host."""
-
-    step: ScheduledStep
-    padded_bs: int
-    result: AsyncCopy  # [padded_bs + padded_bs * q]: accept lengths, then the emitted tokens of each request
-    events: Optional[list[torch.cuda.Event]]  # CUDA: start, drafted, accepted, extended
-    q: int  # verify tokens per request (the root and q - 1 drafts)
-    wall_s: float  # the host's time launching it (on the CPU: its computation)
-    host_s: Optional[float] = None  # CUDA: the host's own time from its launch to the next (adaptive_v2.HostClock)
 
 
 class SpecV2Worker:
@@ -299,57 +286,7 @@ class SpecV2Worker:
 
     def complete(self, launched: SpecLaunched) -> list[Request]:
         """Apply an iteration's result (waiting for it if it has not arrived); returns the finished requests."""
-        t0 = time.perf_counter()
-        host = launched.result.numpy()
-        self._clock.waited(time.perf_counter() - t0)
-        self._inflight.remove(launched)
-        sched, alloc, q = self.engine.scheduler, self.engine.allocator, self.q
-        padded_bs = launched.padded_bs
-        lens = host[:padded_bs].tolist()
-        tokens = host[padded_bs: padded_bs * (1 + launched.q)].reshape(padded_bs, launched.q)
-        finished, live, now = [], [], time.perf_counter()
-        for b, req in enumerate(launched.step.reqs):
-            req.spec_inflight -= 1
-            if req.finished:  # finished (or aborted) after this iteration was launched: its tokens are dropped
-                continue
-            live.append(b)
-            n = lens[b]
-            req.kv_len += n  # the root and the accepted drafts now hold K/V
-            req.spec_verify_steps += 1
-            req.spec_accepted_tokens += n
-            if req.first_token_s is None:
-                req.first_token_s = now
-            if sched.append_tokens(req, tokens[b, :n].tolist()):
-                finished.append(req)
-            else:  # keep what the next iteration writes; rejected positions' pages go back
-                keep = req.kv_len + q + 1
-                alloc.truncate(req.row, keep)
-                self._assigned[req.row] = min(self._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
-        bs = len(launched.step.reqs)
-        seconds = self._account(lens[:bs], launched)
-        if launched.events is not None:  # (on the CPU the launch's wall time is the whole iteration)
-            seconds = self._clock.cost(seconds, launched.host_s)
-        if self.adaptive is not None and bs:  # (start-up's iterations have no requests)
-            shadow = rows = None
-            if self.shadow is not None:  # the requests still running (another may hold a finished one's row now)
-                shadow = self.shadow.split(host, padded_bs)[live]
-                rows = [launched.step.reqs[b].row for b in live]
-            record_iteration(self.adaptive, self.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds,
-                             shadow, rows)
-        self.drafter.on_finished(finished)
-        return finished
-
-    def _account(self, lens: list[int], launched: SpecLaunched) -> float:
-        """Count the iteration in the stats; returns its cost: GPU time on CUDA, the launch's wall time on the CPU."""
-        events = launched.events
-        if events is None:
-            self.stats.add(lens)
-            return launched.wall_s
-        s = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(3)]  # (all done: the copy came last)
-        self._events.append(events)
-        self.stats.add(lens, *s)
-        self.stats.num_iterations += 1
-        return sum(s)
+        return apply_result(self, launched)
 
     @torch.inference_mode()
     def warmup(self) -> None:
