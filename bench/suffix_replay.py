@@ -5,6 +5,7 @@ beside n-gram chains and the bound of any drafter that drafts paths of the same 
 
     .venv/bin/python bench/suffix_replay.py --prompts bench/prompts/shared.jsonl
     .venv/bin/python bench/suffix_replay.py --knobs "" "max_spec_factor=4" "max_spec_factor=8 min_token_prob=0"
+    .venv/bin/python bench/suffix_replay.py --prompts bench/prompts/shared32.jsonl --merge 1 2 4
     .venv/bin/python bench/suffix_replay.py --max-tokens 256 --outputs .suffix_replay_256.json --ngram-steps 4 1 2 3 5 6 7 8
 
 Printed per drafter and pass: tokens per iteration, counted as the engine's ``mean_accept_len`` counts them (an
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from framework.request import Request  # noqa: E402
 from framework.speculative.ngram import NgramIndex  # noqa: E402
-from framework.speculative.suffix import SuffixDrafter  # noqa: E402
+from framework.speculative.suffix import SuffixDrafter, grow_draft  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SUFFIX = dict(num_steps=8, topk=4, num_draft_tokens=16, suffix_max_depth=24, suffix_cache_tokens=16384,
@@ -101,6 +102,37 @@ def suffix_run(pairs, knobs: dict, passes: int, bound: bool = False) -> list[flo
     return replay(pairs, passes, accept, drafter._retire_finished)
 
 
+def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
+    """Like :func:`suffix_run`, but the drafts of the ``merge`` best-scoring matches (of both trees) merged into one
+    tree of at most ``num_draft_tokens - 1`` nodes, best draft first: what drafting from several matches could add."""
+    drafter = SuffixDrafter(types.SimpleNamespace(device="cpu"), types.SimpleNamespace(**knobs))
+    most = knobs["num_draft_tokens"] - 1
+
+    def accept(req: Request, truth: list[int]) -> int:
+        drafter._retire_finished()
+        tail = drafter._state(req).sync(req)
+        drafts = []
+        for tree in (req.drafter_state.tree, drafter.global_tree):
+            for node, length in tree.matches(tail):
+                budget = min(most, int(knobs["max_spec_factor"] * length + knobs["max_spec_offset"]))
+                if budget >= 1:
+                    drafts.append(grow_draft(node, budget, knobs["num_steps"], knobs["topk"], knobs["min_token_prob"]))
+        paths: set[tuple[int, ...]] = set()  # the merged tree's nodes, as their token paths from the root
+        for nodes, _ in sorted(drafts, key=lambda d: -d[1])[:merge]:
+            own: list[tuple[int, ...]] = []
+            for token, parent, _ in nodes:
+                own.append((own[parent - 1] if parent else ()) + (token,))
+                if len(paths | {own[-1]}) > most:
+                    break
+                paths.add(own[-1])
+        n = 0
+        while n < len(truth) and tuple(truth[:n + 1]) in paths:
+            n += 1
+        return n
+
+    return replay(pairs, passes, accept, drafter._retire_finished)
+
+
 def ngram_run(pairs, passes: int, num_steps: int = 5, min_n: int = 1, max_n: int = 6) -> list[float]:
     def accept(req: Request, truth: list[int]) -> int:
         index = NgramIndex(min_n, max_n)
@@ -133,6 +165,8 @@ def main() -> None:
                     help="suffix knob sets, each 'name=value ...' over the conf's defaults ('': the defaults)")
     ap.add_argument("--ngram-steps", type=int, nargs="+", default=[5],
                     help="n-gram chains at these depths too (the suffix ratios are against the first)")
+    ap.add_argument("--merge", type=int, nargs="*", default=[],
+                    help="also each knob set with the drafts of this many best matches merged into one tree")
     args = ap.parse_args()
     pairs = plain_outputs(args.prompts, args.max_tokens, args.outputs)
     print(f"{len(pairs)} requests, {sum(len(o) for _, o in pairs)} tokens, {args.prompts}; tokens per iteration, "
@@ -147,6 +181,10 @@ def main() -> None:
         bound = suffix_run(pairs, knobs, 2, bound=True)
         print(f"{'suffix ' + (text or '(defaults)'):>44}  {got[0]:.3f} / {got[1]:.3f}  ({got[0] / ngram[0]:.2f}x "
               f"ngram; bound {bound[0]:.3f} / {bound[1]:.3f}: {bound[0] / ngram[0]:.2f}x)")
+        for merge in args.merge:
+            got = merged_run(pairs, knobs, merge, 2)
+            print(f"{f'  the {merge} best matches merged':>44}  {got[0]:.3f} / {got[1]:.3f}  ({got[0] / ngram[0]:.2f}x "
+                  f"ngram)")
 
 
 if __name__ == "__main__":
