@@ -39,8 +39,11 @@ FUSED_MAX_ROWS = 1
 # default kernels, instead of cuBLAS plus inductor's elementwise kernels (305 kernels for SmolLM2 at batch 8, 245
 # this way). H100: SmolLM2's batch-8 decode forward 886 -> 787 us; with it and the fused greedy finish (not timed
 # apart) the Llama-3-8B shape's batch-1 n-gram iteration (a 5-row verify) costs 1.09x a plain step, 1.19x before
-# (docs/PERFORMANCE.md). 0: off. Not batch-invariant (one row takes tfs::gemv).
-DET_MAX_ROWS = 8
+# (docs/PERFORMANCE.md). 16 rather than 8: a batch-1 speculation v2 iteration runs padded to batch size 2, so n-gram's
+# 5-token verify is a 10-row forward, and through det_matmul (whose 16-row tile costs the same at 10 rows as at 8)
+# SmolLM2's iteration took 0.72-0.76 ms of GPU time against 0.905 on cuBLAS (H100); widths whose batch-2 verify newly
+# fits (5-8 tokens) compile once more at start-up. 0: off. Not batch-invariant (one row takes tfs::gemv).
+DET_MAX_ROWS = 16
 # ... with the qkv projection's RoPE and K/V store as that launch's epilogue (the attention backend's
 # forward_projection(det=True): tfs::det_qkv_rope_store on attention=triton), one kernel a layer fewer. H100:
 # SmolLM2's batch-8 decode forward 767 -> 689 us, the user's batch-8 job 9377 -> 9697 tok/s (docs/PERFORMANCE.md).
