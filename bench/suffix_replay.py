@@ -122,7 +122,7 @@ def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
             own: list[tuple[int, ...]] = []
             for token, parent, _ in nodes:
                 own.append((own[parent - 1] if parent else ()) + (token,))
-                if len(paths | {own[-1]}) > most:
+                if own[-1] not in paths and len(paths) >= most:
                     break
                 paths.add(own[-1])
         n = 0
