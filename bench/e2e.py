@@ -145,11 +145,18 @@ def counting_launches(engine: Engine) -> Iterator[list[str]]:
             del engine.spec_worker.step
 
 
+def engine_overlap(engine: Engine, overlap: str) -> str:
+    """The overlap a case runs with: off for a v1 speculative engine (it drafts on the host from applied tokens,
+    and its config refuses scheduler.overlap=on), else ``overlap``."""
+    return "off" if engine.spec_version == "v1" else overlap
+
+
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
              profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded",
              kernels: int = 0) -> dict:
     items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens, prompt_set)
     engine.scheduler.cfg.max_running_requests = batch
+    overlap = engine_overlap(engine, overlap)
     engine.overlap = overlap == "on"
     engine.stats = EngineStats()
     if engine.spec_worker is not None:

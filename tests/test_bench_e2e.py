@@ -70,3 +70,19 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert busy_us([]) == 0.0
     # overlapping (PDL), nested, touching and separate kernels: [0, 10] u [12, 20] u [30, 31]
     assert busy_us([(12, 15), (0, 6), (4, 10), (5, 7), (14, 20), (30, 31)]) == 10 + 8 + 1
+
+
+def test_a_v1_speculative_engine_runs_its_cases_without_overlap():
+    """--overlap on with a v1 drafter (suffix trees) runs and is reported as off, as the config would have it:
+    the v1 iteration drafts from the tokens the host has applied, so a prefill launched ahead broke it."""
+    import pytest
+
+    from framework import LLM
+    from framework.errors import ConfigError
+    from tests.conftest import TINY
+
+    v1, v2 = LLM(TINY + ["speculative=suffix"]).engine, LLM(TINY + ["speculative=ngram"]).engine
+    assert v1.spec_version == "v1" and v2.spec_version == "v2"
+    assert e2e.engine_overlap(v1, "on") == "off" and e2e.engine_overlap(v2, "on") == "on"
+    with pytest.raises(ConfigError, match="scheduler.overlap"):
+        LLM(TINY + ["speculative=suffix", "scheduler.overlap=on"])

@@ -42,7 +42,8 @@ FUSED_MAX_ROWS = 1
 # (docs/PERFORMANCE.md). 16 rather than 8: a batch-1 speculation v2 iteration runs padded to batch size 2, so n-gram's
 # 5-token verify is a 10-row forward, and through det_matmul (whose 16-row tile costs the same at 10 rows as at 8)
 # SmolLM2's iteration took 0.72-0.76 ms of GPU time against 0.905 on cuBLAS (H100); widths whose batch-2 verify newly
-# fits (5-8 tokens) should compile once more at start-up (read from the row guard below; not timed). 0: off. Not batch-invariant (one row takes tfs::gemv).
+# fits (5-8 tokens) compile once more at start-up, once on each side of the row guard below (H100, width 5 at batch
+# sizes [1, 2, 4]: tests/test_spec_v2_gpu.py). 0: off. Not batch-invariant (one row takes tfs::gemv).
 DET_MAX_ROWS = 16
 # ... with the qkv projection's RoPE and K/V store as that launch's epilogue (the attention backend's
 # forward_projection(det=True): tfs::det_qkv_rope_store on attention=triton), one kernel a layer fewer. H100:
