@@ -36,6 +36,9 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
          "ngram1": ["speculative=ngram", "speculative.num_steps=1"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
+         # wider trees: 32 nodes, 8 children a node, a draft size no longer tied to a short match's length
+         "suffix_wide": ["speculative=suffix", "speculative.num_draft_tokens=32", "speculative.topk=8",
+                         "speculative.max_spec_offset=16", "speculative.min_token_prob=0.02"],
          # suffix chains (topk=1): the v1 iteration on the host's trees, and v2 drafting on the device
          "suffix_chain": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
                           "speculative.num_steps=5", "speculative.version=v1"],

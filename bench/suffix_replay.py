@@ -103,8 +103,9 @@ def suffix_run(pairs, knobs: dict, passes: int, bound: bool = False) -> list[flo
 
 
 def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
-    """Like :func:`suffix_run`, but the drafts of the ``merge`` best-scoring matches (of both trees) merged into one
-    tree of at most ``num_draft_tokens - 1`` nodes, best draft first: what drafting from several matches could add."""
+    """Like :func:`suffix_run`, but the drafts of the ``merge`` best-scoring matches (of both trees, each grown from
+    its own counts, as a chain's candidates are) merged into one tree of at most ``num_draft_tokens - 1`` nodes, best
+    draft first: the union of single-match drafts, beside the drafter's trees (every match's counts mixed)."""
     drafter = SuffixDrafter(types.SimpleNamespace(device="cpu"), types.SimpleNamespace(**knobs))
     most = knobs["num_draft_tokens"] - 1
 
@@ -116,7 +117,8 @@ def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
             for node, length in tree.matches(tail):
                 budget = min(most, int(knobs["max_spec_factor"] * length + knobs["max_spec_offset"]))
                 if budget >= 1:
-                    drafts.append(grow_draft(node, budget, knobs["num_steps"], knobs["topk"], knobs["min_token_prob"]))
+                    drafts.append(grow_draft([(node, 1.0)], budget, knobs["num_steps"], knobs["topk"],
+                                              knobs["min_token_prob"]))
         paths: set[tuple[int, ...]] = set()  # the merged tree's nodes, as their token paths from the root
         for nodes, _ in sorted(drafts, key=lambda d: -d[1])[:merge]:
             own: list[tuple[int, ...]] = []

@@ -79,15 +79,41 @@ def test_draft_follows_the_counts_the_threshold_and_the_limits():
     # after "7 0": 1 twice (then 2 2), 3 once
     tree.add([0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 3])
     node, _ = tree.matches([7, 0])[0]
-    nodes, score = grow_draft(node, budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    nodes, score = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert nodes[0] == (1, 0, 1)  # the most probable child first (2 of 3)
     assert all(parent < i for i, (_, parent, _) in enumerate(nodes, start=1))  # parents first
     assert max(d for _, _, d in nodes) <= 3 and len(nodes) <= 8
     assert score == pytest.approx(3 * 2 / 3 + 1 / 3)  # 1, 1 2, 1 2 2; 3
-    nodes, _ = grow_draft(node, budget=8, max_depth=3, max_children=2, min_prob=0.5)
+    nodes, _ = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.5)
     assert [t for t, _, _ in nodes] == [1, 2, 2]  # 3 (1/3) is dropped
-    nodes, _ = grow_draft(node, budget=2, max_depth=3, max_children=1, min_prob=0.0)
+    nodes, _ = grow_draft([(node, 1.0)], budget=2, max_depth=3, max_children=1, min_prob=0.0)
     assert nodes == [(1, 0, 1), (2, 1, 2)]
+
+
+def test_a_tree_backs_off_from_the_longest_match_to_shorter_ones():
+    """Several matches: a token's probability is their length-weighted mean over those that continue the path, so
+    what only a shorter context has seen still drafts, and a longer context's continuation ranks first."""
+    tree = SuffixTree(10)
+    tree.add([5, 7, 0, 1, 9, 9, 9, 6, 0, 2, 3, 8, 0, 2, 3])  # after "7 0": 1 (then 9); after "0": 1 once, 2 twice
+    (long, two), (short, one) = tree.matches([7, 0])
+    assert (two, one) == (2, 1)
+    nodes, score = grow_draft([(long, 2.0), (short, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    tokens = {(t, d): p for t, p, d in nodes}
+    # depth 1: 1 = (2 * 1 + 1 * 1/3) / 3 = 7/9 first, 2 = (1 * 2/3) / 3 = 2/9
+    assert nodes[0] == (1, 0, 1) and (2, 1) in tokens
+    # below "1": only the longer context has been further ("7 0 1" -> 9); below "2": the shorter one ("0 2" -> 3)
+    assert (9, 2) in tokens and (3, 2) in tokens
+    assert score == pytest.approx(7 / 9 + 2 / 9 + 7 / 9 + 2 / 9 + 7 / 9 + 2 / 9)  # 1, 2; 1 9, 2 3; 1 9 9, 2 3 8
+    alone, _ = grow_draft([(long, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    assert [t for t, _, _ in alone] == [1, 9, 9]  # one match: its own counts only
+
+
+def test_tree_drafts_merge_every_match_and_chains_keep_the_best_one():
+    seq = [4, 1, 2, 3, 9, 4, 1, 2, 5, 9, 4, 1, 2, 3, 9, 4, 1]  # after "4 1": 2, then 3 twice and 5 once
+    tree = drafter(topk=2, num_draft_tokens=12, max_spec_factor=4.0).draft(request(seq))
+    chain = drafter(topk=1, num_draft_tokens=12, max_spec_factor=4.0).draft(request(seq))
+    assert tree[0] == (2, 0, 1) and {t for t, _, d in tree if d == 2} == {3, 5}  # both continuations of "4 1 2"
+    assert [t for t, _, _ in chain][:3] == [2, 5, 9]  # "2 3 9 4 1" (the longest match) went on 2 5 9
 
 
 def drafter(**cfg) -> SuffixDrafter:

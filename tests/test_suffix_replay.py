@@ -51,12 +51,13 @@ def test_ngram_replay_matches_its_chain():
     assert got == pytest.approx(23 / 5)
 
 
-@pytest.mark.parametrize("knobs", ["", "max_spec_factor=4 num_draft_tokens=8"])
+@pytest.mark.parametrize("knobs", ["topk=1", "max_spec_factor=4 num_draft_tokens=8 topk=1"])
 def test_merged_drafts_replay_the_drafter_and_stay_within_the_bound(knobs):
     k = replay.parse_knobs(knobs)
     for seed in range(3):
         pairs = _pairs(seed)
         one = replay.merged_run(pairs, k, 1, 2)
-        assert one == replay.suffix_run(pairs, k, 2)  # one match merged: the drafter's own draft
+        assert one == replay.suffix_run(pairs, k, 2)  # one match merged: a chain's own draft (the best match)
         bound = replay.suffix_run(pairs, k, 2, bound=True)
-        assert all(1.0 <= m <= b + 1e-9 for m, b in zip(replay.merged_run(pairs, k, 4, 2), bound))
+        tree = replay.parse_knobs(knobs.replace("topk=1", "topk=4"))
+        assert all(1.0 <= m <= b + 1e-9 for m, b in zip(replay.merged_run(pairs, tree, 4, 2), bound))

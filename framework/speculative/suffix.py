@@ -7,9 +7,11 @@ suffix of the request's tokens that occurred before (with a continuation) grows 
 first by the empirical probability of each path (a child's count over its siblings' total, multiplied along
 the path), keeping nodes of probability at least ``min_token_prob``, at most ``topk`` children a node and
 ``num_steps`` deep. The draft size follows the match: at most ``max_spec_factor * match_length +
-max_spec_offset`` tokens (and ``num_draft_tokens - 1``). Every matched suffix length of both trees drafts, and
-the draft with the largest expected number of accepted tokens (the sum of its path probabilities) wins. No model
-forward.
+max_spec_offset`` tokens (and ``num_draft_tokens - 1``). A tree (``topk > 1``) grows from every matched suffix of
+both trees at once: a token's probability is the mean of the matches' empirical ones, weighted by match length,
+over the matches that have seen the path so far (longer contexts first, shorter ones where those end), and its size
+follows the longest match. A chain grows from each match alone, and the one with the largest expected number of
+accepted tokens (the sum of its path probabilities) wins. No model forward.
 
 Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
 (:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
@@ -99,33 +101,54 @@ class SuffixTree:
         return count
 
 
-def grow_draft(node: Node, budget: int, max_depth: int, max_children: int,
+def grow_draft(states: list[tuple[Node, float]], budget: int, max_depth: int, max_children: int,
                min_prob: float) -> tuple[list[tuple[int, int, int]], float]:
-    """Best-first draft from ``node``: up to ``budget`` (token, parent index, depth) nodes, parents first (index 0
-    is the root), and the sum of their path probabilities (the expected number of accepted tokens)."""
-    heap: list[tuple[float, int, int, int, int, Node]] = []  # (-prob, tie, token, parent index, depth, node)
+    """Best-first draft below the matched nodes ``states`` ((node, weight) pairs): up to ``budget`` (token, parent
+    index, depth) nodes, parents first (index 0 is the root), and the sum of their path probabilities (the expected
+    number of accepted tokens). A token's probability after a path is the weighted mean, over the states that
+    continue the path, of its count over its siblings' total: one state drafts from one match's counts; several (every
+    matched suffix of both trees, weighted by its length) back off from the longer matches to the shorter ones where
+    those have seen what follows."""
+    heap: list[tuple[float, int, int, int, int, list]] = []  # (-prob, tie, token, parent index, depth, states)
     tie = 0
 
-    def push(parent_node: Node, parent_index: int, depth: int, prob: float) -> None:
+    def push(sts: list[tuple[Node, float]], parent_index: int, depth: int, prob: float) -> None:
         nonlocal tie
-        if depth > max_depth or not parent_node.children:
+        if depth > max_depth:
             return
-        total = sum(c.count for c in parent_node.children.values())
-        ranked = sorted(parent_node.children.items(), key=lambda kv: -kv[1].count)[:max_children]
-        for token, child in ranked:
-            p = prob * child.count / total
+        live = [(node, w) for node, w in sts if node.children]
+        if not live:
+            return
+        # (sorts are stable: among equal counts a tree's first-inserted child first, as suffix_chain_device's
+        # earliest occurrence)
+        if len(live) == 1:  # one match's counts, in suffix_chain_device's order of operations: prob * count / total
+            children = live[0][0].children
+            total = sum(c.count for c in children.values())
+            ranked = [(token, prob * child.count / total)
+                      for token, child in sorted(children.items(), key=lambda kv: -kv[1].count)[:max_children]]
+        else:
+            mix: dict[int, float] = {}
+            for node, w in live:
+                total = sum(c.count for c in node.children.values())
+                for token, child in node.children.items():
+                    mix[token] = mix.get(token, 0.0) + w * child.count / total
+            weight = sum(w for _, w in live)
+            ranked = [(token, prob * q / weight)
+                      for token, q in sorted(mix.items(), key=lambda kv: -kv[1])[:max_children]]
+        for token, p in ranked:
             if p >= min_prob:
-                heapq.heappush(heap, (-p, tie, token, parent_index, depth, child))
+                nxt = [(node.children[token], w) for node, w in live if token in node.children]
+                heapq.heappush(heap, (-p, tie, token, parent_index, depth, nxt))
                 tie += 1
 
     nodes: list[tuple[int, int, int]] = []
     score = 0.0
-    push(node, 0, 1, 1.0)
+    push(states, 0, 1, 1.0)
     while heap and len(nodes) < budget:
-        neg, _, token, parent, depth, child = heapq.heappop(heap)
+        neg, _, token, parent, depth, sts = heapq.heappop(heap)
         nodes.append((token, parent, depth))
         score -= neg
-        push(child, len(nodes), depth + 1, -neg)
+        push(sts, len(nodes), depth + 1, -neg)
     return nodes, score
 
 
@@ -231,16 +254,27 @@ class SuffixDrafter(Drafter):
         depth = min(cfg.num_steps, max_depth or cfg.num_steps)
         most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
         tail = self._state(req).sync(req)
+        matches = [(node, length) for tree in (req.drafter_state.tree, self.global_tree)
+                   for node, length in tree.matches(tail)]
+        if cfg.topk > 1:  # a tree from every match at once, the longer ones weighing more
+            if not matches:
+                return []
+            budget = min(most, int(cfg.max_spec_factor * max(n for _, n in matches) + cfg.max_spec_offset))
+            if budget < 1:
+                return []
+            return grow_draft([(node, float(length)) for node, length in matches], budget, depth, cfg.topk,
+                              cfg.min_token_prob)[0]
+        # a chain: the match whose draft has the largest expected number of accepted tokens (as suffix_chain_device
+        # drafts it in speculation v2). NOTE: every match length competes: a long match leaves the depth-bounded
+        # tree little room to continue
         best: tuple[list, float] = ([], 0.0)
-        # NOTE: every match length competes: a long match leaves the depth-bounded tree little room to continue
-        for tree in (req.drafter_state.tree, self.global_tree):
-            for node, length in tree.matches(tail):
-                budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
-                if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
-                    continue
-                nodes, score = grow_draft(node, budget, depth, cfg.topk, cfg.min_token_prob)
-                if score > best[1]:
-                    best = (nodes, score)
+        for node, length in matches:
+            budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
+            if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
+                continue
+            nodes, score = grow_draft([(node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
+            if score > best[1]:
+                best = (nodes, score)
         return best[0]
 
     def propose(self, ctx: SpecContext) -> DraftTree | None:
