@@ -18,7 +18,9 @@
 #   clocks               the GPU's name, clocks, power limit and driver (nvidia-smi)
 #   save-cache           pack the compile caches (inductor's and Triton's, which every suite here writes under
 #                        /tmp/tfs_cache) into $OUT/cache.tgz.*: parts of at most 15 MiB. Put them in .icache/ here and
-#                        carry .icache in a later lease's first call: its engines then start without recompiling what
+#                        carry .icache in a later lease's call before its engines start (any suite seeds the caches
+#                        once per warm machine; with the model's halves, which leave no room in a call's 64 MiB, in a
+#                        call of its own: `bash bench/gpu.sh clocks`): its engines then start without recompiling what
 #                        an earlier lease compiled (same torch, Triton and GPU architecture)
 #   run 'COMMAND LINE'   any command line in the prepared environment (through bash -c, so quote it and let
 #                        $TFS_TOKENIZER expand here), e.g. run 'python3 bench/bench_attention.py --configs 1x4096'
@@ -39,8 +41,9 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # compile caches in one place, seeded once per warm machine from a carried .icache (bash bench/gpu.sh save-cache)
 cache=/tmp/tfs_cache
-if compgen -G ".icache/cache.tgz.*" > /dev/null && [ ! -d "$cache" ]; then
-  mkdir -p "$cache" && cat .icache/cache.tgz.* | tar xzf - -C "$cache" && echo "$cache: seeded, $(du -sh "$cache" | cut -f1)"
+if compgen -G ".icache/cache.tgz.*" > /dev/null && [ ! -f "$cache/.seeded" ]; then
+  mkdir -p "$cache" && cat .icache/cache.tgz.* | tar xzf - -C "$cache" && touch "$cache/.seeded" &&
+    echo "$cache: seeded, $(du -sh "$cache" | cut -f1)"
 fi
 mkdir -p "$cache"
 export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
