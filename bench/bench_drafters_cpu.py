@@ -39,6 +39,9 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
          # wider trees: 32 nodes, 8 children a node, a draft size no longer tied to a short match's length
          "suffix_wide": ["speculative=suffix", "speculative.num_draft_tokens=32", "speculative.topk=8",
                          "speculative.max_spec_offset=16", "speculative.min_token_prob=0.02"],
+         "suffix_wide_adaptive": ["speculative=suffix", "speculative.num_draft_tokens=32", "speculative.topk=8",
+                                  "speculative.max_spec_offset=16", "speculative.min_token_prob=0.02",
+                                  "speculative.adaptive=true"],
          # suffix chains (topk=1): the v1 iteration on the host's trees, and v2 drafting on the device
          "suffix_chain": ["speculative=suffix", "speculative.topk=1", "speculative.num_draft_tokens=0",
                           "speculative.num_steps=5", "speculative.version=v1"],

@@ -10,6 +10,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 import e2e  # noqa: E402
+import pytest  # noqa: E402
+
+from framework import LLM  # noqa: E402
+from framework.errors import ConfigError  # noqa: E402
+from tests.conftest import TINY  # noqa: E402
 
 OPTIONS = ["--cases", "smollm2:1", "smollm2:8", "8b:1", "--overlap", "on", "--new-tokens", "64", "--repeat", "12",
            "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--rounds", "3", "--speculative", "none", "ngram,speculative.num_steps=2",
@@ -75,12 +80,6 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 def test_a_v1_speculative_engine_runs_its_cases_without_overlap():
     """--overlap on with a v1 drafter (suffix trees) runs and is reported as off, as the config would have it:
     the v1 iteration drafts from the tokens the host has applied, so a prefill launched ahead broke it."""
-    import pytest
-
-    from framework import LLM
-    from framework.errors import ConfigError
-    from tests.conftest import TINY
-
     v1, v2 = LLM(TINY + ["speculative=suffix"]).engine, LLM(TINY + ["speculative=ngram"]).engine
     assert v1.spec_version == "v1" and v2.spec_version == "v2"
     assert e2e.engine_overlap(v1, "on") == "off" and e2e.engine_overlap(v2, "on") == "on"
