@@ -93,7 +93,7 @@ def suffix_run(pairs, knobs: dict, passes: int, bound: bool = False) -> list[flo
             return max([walk(node, truth, knobs["num_steps"]) for tree in (req.drafter_state.tree,
                         drafter.global_tree) for node, _ in tree.matches(tail)], default=0)
         on_path, best = {0}, 0  # draft nodes on the true path
-        for i, (token, parent, depth) in enumerate(drafter.draft(req), start=1):
+        for i, (token, parent, depth) in enumerate(drafter.batch_drafts([req])[0][0], start=1):
             if parent in on_path and depth <= len(truth) and truth[depth - 1] == token:
                 on_path.add(i)
                 best = max(best, depth)

@@ -116,6 +116,22 @@ def test_tree_drafts_merge_every_match_and_chains_keep_the_best_one():
     assert [t for t, _, _ in chain][:3] == [2, 5, 9]  # "2 3 9 4 1" (the longest match) went on 2 5 9
 
 
+def test_a_short_tree_fills_the_rows_its_batch_verifies_anyway():
+    """Trees: a draft grows into the batch's verify width past the match-length budget and min_token_prob, its own
+    nodes first and unchanged; chains do not (they stay what the device drafts in speculation v2)."""
+    seq = list(range(20)) + [50] + list(range(20)) + [51] + [0, 1]  # "0 1" matched: a 2-token budget
+    d = drafter(max_spec_factor=1.0, min_token_prob=0.6, num_draft_tokens=16)
+    short = request(seq)
+    own = d.draft(short)
+    assert len(own) == 2
+    filled = d.draft(short, fill=7)
+    assert filled[:2] == own and len(filled) == 6  # as far as num_steps (6) goes down the one path
+    rows, n = d.batch_drafts([short, request(seq[:32])])  # the second: "0 .. 10" matched, 6 deep
+    assert n == 8 and rows[0] == filled and len(rows[1]) <= 7
+    chains = drafter(topk=1, max_spec_factor=1.0)
+    assert chains.batch_drafts([request(seq), request(seq[:32])])[0][0] == chains.draft(request(seq))
+
+
 def drafter(**cfg) -> SuffixDrafter:
     base = dict(topk=2, num_steps=6, num_draft_tokens=12, suffix_max_depth=12, suffix_cache_tokens=64,
                 max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1)

@@ -10,8 +10,9 @@ the path), keeping nodes of probability at least ``min_token_prob``, at most ``t
 max_spec_offset`` tokens (and ``num_draft_tokens - 1``). A tree (``topk > 1``) grows from every matched suffix of
 both trees at once: a token's probability is the mean of the matches' empirical ones, weighted by match length,
 over the matches that have seen the path so far (longer contexts first, shorter ones where those end), and its size
-follows the longest match. A chain grows from each match alone, and the one with the largest expected number of
-accepted tokens (the sum of its path probabilities) wins. No model forward.
+follows the longest match; a batch verifies every request at its widest draft's size (rounded up to a power of two),
+and a shorter tree grows into those rows with its next-best nodes. A chain grows from each match alone, and the one
+with the largest expected number of accepted tokens (the sum of its path probabilities) wins. No model forward.
 
 Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
 (:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
@@ -247,9 +248,11 @@ class SuffixDrafter(Drafter):
         """Powers of two below num_draft_tokens, and it: :meth:`propose` rounds the batch's widest draft up."""
         return sorted({min(cfg.num_draft_tokens, 1 << b) for b in range(1, cfg.num_draft_tokens.bit_length() + 1)})
 
-    def draft(self, req: Request, max_depth: Optional[int] = None) -> list[tuple[int, int, int]]:
+    def draft(self, req: Request, max_depth: Optional[int] = None, fill: int = 0) -> list[tuple[int, int, int]]:
         """The request's draft nodes (token, parent index, depth), parents first; may be empty. ``max_depth``:
-        at most this deep (and ``topk`` times as many nodes), below ``num_steps``."""
+        at most this deep (and ``topk`` times as many nodes), below ``num_steps``. ``fill`` (trees): grow to this
+        many nodes where the matches have them, past the match-length budget and ``min_token_prob`` (rows that the
+        batch verifies anyway); the nodes drafted without it come first, in the same order."""
         cfg = self.cfg
         depth = min(cfg.num_steps, max_depth or cfg.num_steps)
         most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
@@ -259,11 +262,11 @@ class SuffixDrafter(Drafter):
         if cfg.topk > 1:  # a tree from every match at once, the longer ones weighing more
             if not matches:
                 return []
+            states = [(node, float(length)) for node, length in matches]
             budget = min(most, int(cfg.max_spec_factor * max(n for _, n in matches) + cfg.max_spec_offset))
-            if budget < 1:
-                return []
-            return grow_draft([(node, float(length)) for node, length in matches], budget, depth, cfg.topk,
-                              cfg.min_token_prob)[0]
+            if fill > budget:  # (best first: the nodes above min_token_prob pop before the others)
+                return grow_draft(states, fill, depth, cfg.topk, 0.0)[0]
+            return grow_draft(states, budget, depth, cfg.topk, cfg.min_token_prob)[0] if budget >= 1 else []
         # a chain: the match whose draft has the largest expected number of accepted tokens (as suffix_chain_device
         # drafts it in speculation v2). NOTE: every match length competes: a long match leaves the depth-bounded
         # tree little room to continue
@@ -277,11 +280,20 @@ class SuffixDrafter(Drafter):
                 best = (nodes, score)
         return best[0]
 
+    def batch_drafts(self, reqs: list[Request], max_depth: Optional[int] = None) -> tuple[list[list], int]:
+        """Each request's draft nodes and the batch's verify width ``n`` (the largest draft and the root, rounded up
+        to a power of two to bound graph shapes); ``n`` 0: nothing drafted."""
+        rows = [self.draft(req, max_depth) for req in reqs]
+        if not any(rows):
+            return rows, 0
+        n = min(self.cfg.num_draft_tokens, 1 << max(len(r) for r in rows).bit_length())
+        if self.cfg.topk > 1:  # a shorter tree grows into the rows the batch verifies anyway
+            rows = [self.draft(req, max_depth, fill=n - 1) if len(r) < n - 1 else r for req, r in zip(reqs, rows)]
+        return rows, n
+
     def propose(self, ctx: SpecContext) -> DraftTree | None:
         self._retire_finished()
-        rows = [self.draft(req, ctx.max_depth) for req in ctx.reqs]
-        if not any(rows):
+        rows, n = self.batch_drafts(ctx.reqs, ctx.max_depth)
+        if not n:
             return None  # nothing to verify: the worker runs a plain decode step
-        # the verify width: the largest draft (and the root), rounded up to a power of two to bound graph shapes
-        n = min(self.cfg.num_draft_tokens, 1 << max(len(r) for r in rows).bit_length())
         return host_tree(rows, n, ctx.roots)
