@@ -31,7 +31,7 @@ from framework.speculative.ngram import NgramIndex  # noqa: E402
 from framework.speculative.suffix import SuffixDrafter, grow_draft  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
-SUFFIX = dict(num_steps=8, topk=4, num_draft_tokens=16, suffix_max_depth=24, suffix_cache_tokens=16384,
+SUFFIX = dict(num_steps=7, topk=4, num_draft_tokens=8, suffix_max_depth=24, suffix_cache_tokens=16384,
               max_spec_factor=2.0, max_spec_offset=0.0, min_token_prob=0.1)  # conf/speculative/suffix.yaml
 
 

@@ -37,7 +37,7 @@ def test_bound_is_at_least_what_the_drafter_accepts(knobs):
 
 def test_a_repeated_request_is_drafted_whole():
     out = list(range(100, 140))
-    got = replay.suffix_run([([1, 2, 3], out)], replay.parse_knobs("num_steps=8"), 2)
+    got = replay.suffix_run([([1, 2, 3], out)], replay.parse_knobs("num_steps=8 num_draft_tokens=16"), 2)
     # first sight: nothing to draw on (all tokens distinct); repeat: 8-deep drafts of the remembered output
     assert got[0] == 1.0
     assert got[1] == pytest.approx(39 / 5)  # 39 tokens after the prefill's, in 4 steps of 9 and one of 3
