@@ -36,6 +36,8 @@ SPECS = {"none": [], "ngram": ["speculative=ngram", "speculative.num_steps=5"], 
          "ngram1": ["speculative=ngram", "speculative.num_steps=1"],
          "ngram_adaptive": ["speculative=ngram", "speculative.num_steps=5", "speculative.adaptive=true"],
          "suffix_adaptive": ["speculative=suffix", "speculative.adaptive=true"],
+         # the trees' defaults before 2026-12-07: 16 tokens, 8 deep
+         "suffix16": ["speculative=suffix", "speculative.num_draft_tokens=16", "speculative.num_steps=8"],
          # wider trees: 32 nodes, 8 children a node, a draft size no longer tied to a short match's length
          "suffix_wide": ["speculative=suffix", "speculative.num_draft_tokens=32", "speculative.topk=8",
                          "speculative.max_spec_offset=16", "speculative.min_token_prob=0.02"],
