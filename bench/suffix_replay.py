@@ -120,7 +120,7 @@ def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
                     drafts.append(grow_draft([(node, 1.0)], budget, knobs["num_steps"], knobs["topk"],
                                               knobs["min_token_prob"]))
         paths: set[tuple[int, ...]] = set()  # the merged tree's nodes, as their token paths from the root
-        for nodes, _ in sorted(drafts, key=lambda d: -d[1])[:merge]:
+        for nodes, _ in sorted(drafts, key=lambda d: -sum(d[1]))[:merge]:
             own: list[tuple[int, ...]] = []
             for token, parent, _ in nodes:
                 own.append((own[parent - 1] if parent else ()) + (token,))

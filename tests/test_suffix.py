@@ -79,11 +79,12 @@ def test_draft_follows_the_counts_the_threshold_and_the_limits():
     # after "7 0": 1 twice (then 2 2), 3 once
     tree.add([0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 3])
     node, _ = tree.matches([7, 0])[0]
-    nodes, score = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    nodes, probs = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert nodes[0] == (1, 0, 1)  # the most probable child first (2 of 3)
     assert all(parent < i for i, (_, parent, _) in enumerate(nodes, start=1))  # parents first
     assert max(d for _, _, d in nodes) <= 3 and len(nodes) <= 8
-    assert score == pytest.approx(3 * 2 / 3 + 1 / 3)  # 1, 1 2, 1 2 2; 3
+    assert sum(probs) == pytest.approx(3 * 2 / 3 + 1 / 3)  # 1, 1 2, 1 2 2; 3
+    assert probs == sorted(probs, reverse=True)  # best first
     nodes, _ = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.5)
     assert [t for t, _, _ in nodes] == [1, 2, 2]  # 3 (1/3) is dropped
     nodes, _ = grow_draft([(node, 1.0)], budget=2, max_depth=3, max_children=1, min_prob=0.0)
@@ -97,13 +98,13 @@ def test_a_tree_backs_off_from_the_longest_match_to_shorter_ones():
     tree.add([5, 7, 0, 1, 9, 9, 9, 6, 0, 2, 3, 8, 0, 2, 3])  # after "7 0": 1 (then 9); after "0": 1 once, 2 twice
     (long, two), (short, one) = tree.matches([7, 0])
     assert (two, one) == (2, 1)
-    nodes, score = grow_draft([(long, 2.0), (short, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    nodes, probs = grow_draft([(long, 2.0), (short, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     tokens = {(t, d) for t, _, d in nodes}  # (token, depth)
     # depth 1: 1 = (2 * 1 + 1 * 1/3) / 3 = 7/9 first, 2 = (1 * 2/3) / 3 = 2/9
     assert nodes[0] == (1, 0, 1) and (2, 1) in tokens
     # below "1": only the longer context has been further ("7 0 1" -> 9); below "2": the shorter one ("0 2" -> 3)
     assert (9, 2) in tokens and (3, 2) in tokens
-    assert score == pytest.approx(7 / 9 + 2 / 9 + 7 / 9 + 2 / 9 + 7 / 9 + 2 / 9)  # 1, 2; 1 9, 2 3; 1 9 9, 2 3 8
+    assert sum(probs) == pytest.approx(7 / 9 + 2 / 9 + 7 / 9 + 2 / 9 + 7 / 9 + 2 / 9)  # 1, 2; 1 9, 2 3; 1 9 9, 2 3 8
     alone, _ = grow_draft([(long, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert [t for t, _, _ in alone] == [1, 9, 9]  # one match: its own counts only
 
@@ -130,6 +131,28 @@ def test_a_short_tree_fills_the_rows_its_batch_verifies_anyway():
     assert n == 8 and rows[0] == filled and rows[1] == d.draft(request(seq[:32])) and len(rows[1]) == 6
     chains = drafter(topk=1, max_spec_factor=1.0)
     assert chains.batch_drafts([request(seq), request(seq[:32])])[0][0] == chains.draft(request(seq))
+
+
+def test_one_growth_gives_the_draft_and_its_fill():
+    """A tree's draft (the match-length budget, ``min_token_prob``) is the first nodes of its growth past both, the
+    same nodes a growth bounded by both drafts: one growth serves the draft and the rows its batch fills."""
+    rng = random.Random(7)
+    for _ in range(40):
+        seq = [rng.randrange(6) for _ in range(rng.randrange(8, 80))]
+        d = drafter(min_token_prob=rng.choice([0.0, 0.1, 0.3]), max_spec_factor=rng.choice([0.5, 1.0, 2.0]))
+        req = request(seq)
+        own = d.draft(req)
+        matches = [(node, length) for tree in (req.drafter_state.tree, d.global_tree)
+                   for node, length in tree.matches(d._state(req).sync(req))]
+        if not matches:
+            assert own == [] and d.draft(req, fill=5) == []
+            continue
+        budget = min(11, int(d.cfg.max_spec_factor * max(n for _, n in matches)))
+        states = [(node, float(length)) for node, length in matches]
+        assert own == (grow_draft(states, budget, 6, 2, d.cfg.min_token_prob)[0] if budget >= 1 else [])
+        filled = d.draft(req, fill=9)
+        assert filled[: len(own)] == own and len(filled) <= 9
+        assert filled == (grow_draft(states, 9, 6, 2, 0.0)[0] if len(own) < 9 else own)
 
 
 def drafter(**cfg) -> SuffixDrafter:

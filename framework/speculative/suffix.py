@@ -65,17 +65,31 @@ class SuffixTree:
         """Count ``tokens`` as the continuation of a sequence whose suffix nodes are ``active`` (shortest first;
         None: a new sequence); ``sign=-1`` removes a sequence added before. Returns the new suffix nodes."""
         active = [] if active is None else active
-        for token in tokens:
+        if sign < 0:
+            for token in tokens:
+                grown = []
+                for depth, node in enumerate([self.root] + active):  # the suffixes of lengths 0 .. len(active)
+                    nxt = node.children[token]
+                    nxt.count -= 1
+                    if nxt.count == 0:  # no occurrence left: nor of its extensions, which go with it
+                        del node.children[token]
+                    elif depth + 1 < self.max_depth:
+                        grown.append(nxt)
+                active = grown
+            return active
+        keep = self.max_depth - 1  # suffix nodes kept: lengths 1 .. max_depth - 1
+        for token in tokens:  # (Node.child inlined: this loop is most of a suffix drafter's host time)
             grown = []
-            for depth, node in enumerate([self.root] + active):  # the suffixes of lengths 0 .. len(active)
-                nxt = node.child(token) if sign > 0 else node.children[token]
-                nxt.count += sign
-                if nxt.count == 0:  # no occurrence left: nor of its extensions, which go with it
-                    del node.children[token]
-                    continue
-                if depth + 1 < self.max_depth:
-                    grown.append(nxt)
-            active = grown
+            for node in [self.root] + active:  # the suffixes of lengths 0 .. len(active)
+                children = node.children
+                if children is None:
+                    children = node.children = {}
+                nxt = children.get(token)
+                if nxt is None:
+                    nxt = children[token] = Node()
+                nxt.count += 1
+                grown.append(nxt)
+            active = grown[:keep]
         return active
 
     def matches(self, context: list[int]) -> list[tuple[Node, int]]:
@@ -103,10 +117,11 @@ class SuffixTree:
 
 
 def grow_draft(states: list[tuple[Node, float]], budget: int, max_depth: int, max_children: int,
-               min_prob: float) -> tuple[list[tuple[int, int, int]], float]:
+               min_prob: float) -> tuple[list[tuple[int, int, int]], list[float]]:
     """Best-first draft below the matched nodes ``states`` ((node, weight) pairs): up to ``budget`` (token, parent
-    index, depth) nodes, parents first (index 0 is the root), and the sum of their path probabilities (the expected
-    number of accepted tokens). A token's probability after a path is the weighted mean, over the states that
+    index, depth) nodes, parents first (index 0 is the root), and their path probabilities, which never rise along
+    the list (their sum: the expected number of accepted tokens). So the nodes at least ``min_prob`` likely are a
+    prefix of those drafted with ``min_prob`` 0, in the same order. A token's probability after a path is the weighted mean, over the states that
     continue the path, of its count over its siblings' total: one state drafts from one match's counts; several (every
     matched suffix of both trees, weighted by its length) back off from the longer matches to the shorter ones where
     those have seen what follows."""
@@ -143,14 +158,14 @@ def grow_draft(states: list[tuple[Node, float]], budget: int, max_depth: int, ma
                 tie += 1
 
     nodes: list[tuple[int, int, int]] = []
-    score = 0.0
+    probs: list[float] = []
     push(states, 0, 1, 1.0)
     while heap and len(nodes) < budget:
         neg, _, token, parent, depth, sts = heapq.heappop(heap)
         nodes.append((token, parent, depth))
-        score -= neg
+        probs.append(-neg)
         push(sts, len(nodes), depth + 1, -neg)
-    return nodes, score
+    return nodes, probs
 
 
 class SuffixState:
@@ -253,6 +268,12 @@ class SuffixDrafter(Drafter):
         at most this deep (and ``topk`` times as many nodes), below ``num_steps``. ``fill`` (trees): grow to this
         many nodes where the matches have them, past the match-length budget and ``min_token_prob`` (rows that the
         batch verifies anyway); the nodes drafted without it come first, in the same order."""
+        own, grown = self._drafts(req, max_depth)
+        return grown[:fill] if fill > len(own) else own
+
+    def _drafts(self, req: Request, max_depth: Optional[int]) -> tuple[list, list]:
+        """(the request's draft, and for trees its growth to ``num_draft_tokens - 1`` nodes past the match-length
+        budget and ``min_token_prob``, of which the draft is a prefix: one growth serves both)."""
         cfg = self.cfg
         depth = min(cfg.num_steps, max_depth or cfg.num_steps)
         most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
@@ -261,12 +282,12 @@ class SuffixDrafter(Drafter):
                    for node, length in tree.matches(tail)]
         if cfg.topk > 1:  # a tree from every match at once, the longer ones weighing more
             if not matches:
-                return []
+                return [], []
             states = [(node, float(length)) for node, length in matches]
             budget = min(most, int(cfg.max_spec_factor * max(n for _, n in matches) + cfg.max_spec_offset))
-            if fill > budget:  # (best first: the nodes above min_token_prob pop before the others)
-                return grow_draft(states, fill, depth, cfg.topk, 0.0)[0]
-            return grow_draft(states, budget, depth, cfg.topk, cfg.min_token_prob)[0] if budget >= 1 else []
+            grown, probs = grow_draft(states, cfg.num_draft_tokens - 1, depth, cfg.topk, 0.0)
+            likely = sum(p >= cfg.min_token_prob for p in probs)  # (a prefix: probabilities never rise)
+            return grown[: max(0, min(budget, likely))], grown
         # a chain: the match whose draft has the largest expected number of accepted tokens (as suffix_chain_device
         # drafts it in speculation v2). NOTE: every match length competes: a long match leaves the depth-bounded
         # tree little room to continue
@@ -275,20 +296,22 @@ class SuffixDrafter(Drafter):
             budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
             if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
                 continue
-            nodes, score = grow_draft([(node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
-            if score > best[1]:
-                best = (nodes, score)
-        return best[0]
+            nodes, probs = grow_draft([(node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
+            if sum(probs) > best[1]:
+                best = (nodes, sum(probs))
+        return best[0], best[0]
 
     def batch_drafts(self, reqs: list[Request], max_depth: Optional[int] = None) -> tuple[list[list], int]:
         """Each request's draft nodes and the batch's verify width ``n`` (the largest draft and the root, rounded up
-        to a power of two to bound graph shapes); ``n`` 0: nothing drafted."""
-        rows = [self.draft(req, max_depth) for req in reqs]
+        to a power of two to bound graph shapes); ``n`` 0: nothing drafted. Trees shorter than ``n - 1`` grow into
+        the rows the batch verifies anyway (:meth:`draft`'s ``fill``)."""
+        drafts = [self._drafts(req, max_depth) for req in reqs]
+        rows = [own for own, _ in drafts]
         if not any(rows):
             return rows, 0
         n = min(self.cfg.num_draft_tokens, 1 << max(len(r) for r in rows).bit_length())
-        if self.cfg.topk > 1:  # a shorter tree grows into the rows the batch verifies anyway
-            rows = [self.draft(req, max_depth, fill=n - 1) if len(r) < n - 1 else r for req, r in zip(reqs, rows)]
+        if self.cfg.topk > 1:
+            rows = [grown[: n - 1] if len(own) < n - 1 else own for own, grown in drafts]
         return rows, n
 
     def propose(self, ctx: SpecContext) -> DraftTree | None:
