@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from framework.request import Request  # noqa: E402
 from framework.speculative.ngram import NgramIndex  # noqa: E402
-from framework.speculative.suffix import SuffixDrafter, grow_draft  # noqa: E402
+from framework.speculative.suffix import SuffixDrafter  # noqa: E402
+from framework.speculative.suffix_tree import SuffixTree, grow_draft  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SUFFIX = dict(num_steps=7, topk=4, num_draft_tokens=8, suffix_max_depth=24, suffix_cache_tokens=16384,
@@ -55,11 +56,11 @@ def plain_outputs(prompts: str, max_tokens: int, path: str) -> list[tuple[list[i
     return pairs
 
 
-def walk(node, truth: list[int], most: int) -> int:
-    """How many tokens of ``truth`` the tree has below ``node`` (at most ``most``)."""
+def walk(tree: SuffixTree, node: int, truth: list[int], most: int) -> int:
+    """How many tokens of ``truth`` the tree has below its node ``node`` (at most ``most``)."""
     depth = 0
-    while depth < min(most, len(truth)) and node.children and truth[depth] in node.children:
-        node = node.children[truth[depth]]
+    while depth < min(most, len(truth)) and tree.kids[node] and truth[depth] in tree.kids[node]:
+        node = tree.kids[node][truth[depth]]
         depth += 1
     return depth
 
@@ -90,7 +91,7 @@ def suffix_run(pairs, knobs: dict, passes: int, bound: bool = False) -> list[flo
         drafter._retire_finished()
         if bound:  # the longest walk of the truth below any matched suffix of either tree
             tail = drafter._state(req).sync(req)
-            return max([walk(node, truth, knobs["num_steps"]) for tree in (req.drafter_state.tree,
+            return max([walk(tree, node, truth, knobs["num_steps"]) for tree in (req.drafter_state.tree,
                         drafter.global_tree) for node, _ in tree.matches(tail)], default=0)
         on_path, best = {0}, 0  # draft nodes on the true path
         for i, (token, parent, depth) in enumerate(drafter.batch_drafts([req])[0][0], start=1):
@@ -117,7 +118,7 @@ def merged_run(pairs, knobs: dict, merge: int, passes: int) -> list[float]:
             for node, length in tree.matches(tail):
                 budget = min(most, int(knobs["max_spec_factor"] * length + knobs["max_spec_offset"]))
                 if budget >= 1:
-                    drafts.append(grow_draft([(node, 1.0)], budget, knobs["num_steps"], knobs["topk"],
+                    drafts.append(grow_draft([(tree, node, 1.0)], budget, knobs["num_steps"], knobs["topk"],
                                               knobs["min_token_prob"]))
         paths: set[tuple[int, ...]] = set()  # the merged tree's nodes, as their token paths from the root
         for nodes, _ in sorted(drafts, key=lambda d: -sum(d[1]))[:merge]:

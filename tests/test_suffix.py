@@ -16,7 +16,8 @@ from framework import LLM
 from framework.errors import ConfigError
 from framework.request import Request
 from framework.sampling import SamplingParams
-from framework.speculative.suffix import SuffixDrafter, SuffixTree, grow_draft
+from framework.speculative.suffix import SuffixDrafter
+from framework.speculative.suffix_tree import ROOT, SuffixTree, grow_draft
 from tests.conftest import TINY
 
 SUFFIX = ["speculative=suffix", "speculative.num_steps=4"]
@@ -33,11 +34,11 @@ def substring_counts(seqs: list[list[int]], depth: int) -> Counter:
 
 def tree_counts(tree: SuffixTree) -> Counter:
     counts: Counter = Counter()
-    stack = [((), tree.root)]
+    stack = [((), ROOT)]
     while stack:
         path, node = stack.pop()
-        for token, child in (node.children or {}).items():
-            counts[path + (token,)] = child.count
+        for token, child in (tree.kids[node] or {}).items():
+            counts[path + (token,)] = tree.counts[child]
             stack.append((path + (token,), child))
     return counts
 
@@ -62,15 +63,48 @@ def test_tree_counts_every_substring_and_removal_is_exact(seed):
     assert tree.num_nodes() == 0
 
 
+def test_removed_nodes_are_recycled():
+    """A tree that adds and evicts sequences for long (the global tree) keeps its id lists as long as the most nodes
+    it held at once, and counts its nodes right throughout."""
+    rng = random.Random(0)
+    tree, held, peak = SuffixTree(6), [], 0
+    for _ in range(300):
+        seq = [rng.randrange(5) for _ in range(rng.randint(1, 30))]
+        tree.add(seq)
+        held.append(seq)
+        peak = max(peak, tree.num_nodes())
+        while len(held) > 4:
+            tree.add(held.pop(0), sign=-1)
+        assert tree.num_nodes() == len(tree_counts(tree)) == len(substring_counts(held, 6))
+        assert tree_counts(tree) == substring_counts(held, 6)
+    assert len(tree.kids) == len(tree.counts) <= peak + 1
+    for seq in held:
+        tree.add(seq, sign=-1)
+    assert tree.num_nodes() == 0 and not tree.kids[ROOT] and set(tree.counts) == {0}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_requests_matches_come_from_its_suffix_nodes(seed):
+    """The request's own matches, read off its suffix nodes, are its tree's walks from the root."""
+    rng = random.Random(seed)
+    d = drafter(suffix_max_depth=rng.randint(2, 9))
+    req = request([rng.randrange(4) for _ in range(rng.randint(1, 5))])
+    for _ in range(40):
+        state = d._state(req)
+        tail = state.sync(req)
+        assert state.matches() == state.tree.matches(tail)
+        req.output_ids += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+
+
 def test_match_is_the_longest_suffix_with_a_continuation():
     tree = SuffixTree(8)
     tree.add([1, 2, 3, 4, 9, 2, 3, 5, 2, 3])
     node, length = tree.matches([7, 1, 2, 3])[0]
-    assert length == 3 and set(node.children) == {4}  # "1 2 3" occurred once, followed by 4
+    assert length == 3 and set(tree.kids[node]) == {4}  # "1 2 3" occurred once, followed by 4
     found = tree.matches([8, 2, 3])
     assert [length for _, length in found] == [2, 1]  # every matched length, longest first
     node, length = found[0]
-    assert length == 2 and {t: c.count for t, c in node.children.items()} == {4: 1, 5: 1}
+    assert length == 2 and {t: tree.counts[c] for t, c in tree.kids[node].items()} == {4: 1, 5: 1}
     assert tree.matches([6]) == []
 
 
@@ -79,15 +113,15 @@ def test_draft_follows_the_counts_the_threshold_and_the_limits():
     # after "7 0": 1 twice (then 2 2), 3 once
     tree.add([0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 1, 2, 2, 7, 0, 3])
     node, _ = tree.matches([7, 0])[0]
-    nodes, probs = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    nodes, probs = grow_draft([(tree, node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert nodes[0] == (1, 0, 1)  # the most probable child first (2 of 3)
     assert all(parent < i for i, (_, parent, _) in enumerate(nodes, start=1))  # parents first
     assert max(d for _, _, d in nodes) <= 3 and len(nodes) <= 8
     assert sum(probs) == pytest.approx(3 * 2 / 3 + 1 / 3)  # 1, 1 2, 1 2 2; 3
     assert probs == sorted(probs, reverse=True)  # best first
-    nodes, _ = grow_draft([(node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.5)
+    nodes, _ = grow_draft([(tree, node, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.5)
     assert [t for t, _, _ in nodes] == [1, 2, 2]  # 3 (1/3) is dropped
-    nodes, _ = grow_draft([(node, 1.0)], budget=2, max_depth=3, max_children=1, min_prob=0.0)
+    nodes, _ = grow_draft([(tree, node, 1.0)], budget=2, max_depth=3, max_children=1, min_prob=0.0)
     assert nodes == [(1, 0, 1), (2, 1, 2)]
 
 
@@ -98,14 +132,14 @@ def test_a_tree_backs_off_from_the_longest_match_to_shorter_ones():
     tree.add([5, 7, 0, 1, 9, 9, 9, 6, 0, 2, 3, 8, 0, 2, 3])  # after "7 0": 1 (then 9); after "0": 1 once, 2 twice
     (long, two), (short, one) = tree.matches([7, 0])
     assert (two, one) == (2, 1)
-    nodes, probs = grow_draft([(long, 2.0), (short, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    nodes, probs = grow_draft([(tree, long, 2.0), (tree, short, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     tokens = {(t, d) for t, _, d in nodes}  # (token, depth)
     # depth 1: 1 = (2 * 1 + 1 * 1/3) / 3 = 7/9 first, 2 = (1 * 2/3) / 3 = 2/9
     assert nodes[0] == (1, 0, 1) and (2, 1) in tokens
     # below "1": only the longer context has been further ("7 0 1" -> 9); below "2": the shorter one ("0 2" -> 3)
     assert (9, 2) in tokens and (3, 2) in tokens
     assert sum(probs) == pytest.approx(7 / 9 + 2 / 9 + 7 / 9 + 2 / 9 + 7 / 9 + 2 / 9)  # 1, 2; 1 9, 2 3; 1 9 9, 2 3 8
-    alone, _ = grow_draft([(long, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
+    alone, _ = grow_draft([(tree, long, 1.0)], budget=8, max_depth=3, max_children=2, min_prob=0.0)
     assert [t for t, _, _ in alone] == [1, 9, 9]  # one match: its own counts only
 
 
@@ -142,13 +176,13 @@ def test_one_growth_gives_the_draft_and_its_fill():
         d = drafter(min_token_prob=rng.choice([0.0, 0.1, 0.3]), max_spec_factor=rng.choice([0.5, 1.0, 2.0]))
         req = request(seq)
         own = d.draft(req)
-        matches = [(node, length) for tree in (req.drafter_state.tree, d.global_tree)
+        matches = [(tree, node, length) for tree in (req.drafter_state.tree, d.global_tree)
                    for node, length in tree.matches(d._state(req).sync(req))]
         if not matches:
             assert own == [] and d.draft(req, fill=5) == []
             continue
-        budget = min(11, int(d.cfg.max_spec_factor * max(n for _, n in matches)))
-        states = [(node, float(length)) for node, length in matches]
+        budget = min(11, int(d.cfg.max_spec_factor * max(n for _, _, n in matches)))
+        states = [(tree, node, float(length)) for tree, node, length in matches]
         assert own == (grow_draft(states, budget, 6, 2, d.cfg.min_token_prob)[0] if budget >= 1 else [])
         filled = d.draft(req, fill=9)
         assert filled[: len(own)] == own and len(filled) <= 9

@@ -21,7 +21,6 @@ Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from typing import Optional
 
@@ -33,139 +32,8 @@ from framework.speculative import DRAFTERS
 from framework.speculative.base import DraftTree, Drafter, SpecContext
 from framework.speculative.suffix_corpus import SuffixCorpus
 from framework.speculative.suffix_device import chain_limits, suffix_chain_device
+from framework.speculative.suffix_tree import SuffixTree, grow_draft
 from framework.speculative.tree import host_tree
-
-
-class Node:
-    """A string's occurrence count and the nodes of its one-token extensions."""
-
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: Optional[dict[int, "Node"]] = None
-
-    def child(self, token: int) -> "Node":
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token)
-        if node is None:
-            node = self.children[token] = Node()
-        return node
-
-
-class SuffixTree:
-    """Every substring of the sequences added, up to ``max_depth`` tokens, with its number of occurrences."""
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
-        self.root = Node()
-
-    def add(self, tokens: list[int], active: Optional[list[Node]] = None, sign: int = 1) -> list[Node]:
-        """Count ``tokens`` as the continuation of a sequence whose suffix nodes are ``active`` (shortest first;
-        None: a new sequence); ``sign=-1`` removes a sequence added before. Returns the new suffix nodes."""
-        active = [] if active is None else active
-        if sign < 0:
-            for token in tokens:
-                grown = []
-                for depth, node in enumerate([self.root] + active):  # the suffixes of lengths 0 .. len(active)
-                    nxt = node.children[token]
-                    nxt.count -= 1
-                    if nxt.count == 0:  # no occurrence left: nor of its extensions, which go with it
-                        del node.children[token]
-                    elif depth + 1 < self.max_depth:
-                        grown.append(nxt)
-                active = grown
-            return active
-        keep = self.max_depth - 1  # suffix nodes kept: lengths 1 .. max_depth - 1
-        for token in tokens:  # (Node.child inlined: this loop is most of a suffix drafter's host time)
-            grown = []
-            for node in [self.root] + active:  # the suffixes of lengths 0 .. len(active)
-                children = node.children
-                if children is None:
-                    children = node.children = {}
-                nxt = children.get(token)
-                if nxt is None:
-                    nxt = children[token] = Node()
-                nxt.count += 1
-                grown.append(nxt)
-            active = grown[:keep]
-        return active
-
-    def matches(self, context: list[int]) -> list[tuple[Node, int]]:
-        """(node, length) of every suffix of ``context`` that occurred with a continuation, longest first."""
-        found = []
-        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
-            node = self.root
-            for token in context[len(context) - length:]:
-                node = node.children.get(token) if node.children else None
-                if node is None:
-                    break
-            if node is not None and node.children:
-                found.append((node, length))
-        return found
-
-    def num_nodes(self) -> int:
-        """Nodes below the root (a walk: for tests and memory checks)."""
-        stack, count = [self.root], 0
-        while stack:
-            node = stack.pop()
-            children = list(node.children.values()) if node.children else []
-            count += len(children)
-            stack += children
-        return count
-
-
-def grow_draft(states: list[tuple[Node, float]], budget: int, max_depth: int, max_children: int,
-               min_prob: float) -> tuple[list[tuple[int, int, int]], list[float]]:
-    """Best-first draft below the matched nodes ``states`` ((node, weight) pairs): up to ``budget`` (token, parent
-    index, depth) nodes, parents first (index 0 is the root), and their path probabilities, which never rise along
-    the list (their sum: the expected number of accepted tokens). So the nodes at least ``min_prob`` likely are a
-    prefix of those drafted with ``min_prob`` 0, in the same order. A token's probability after a path is the weighted mean, over the states that
-    continue the path, of its count over its siblings' total: one state drafts from one match's counts; several (every
-    matched suffix of both trees, weighted by its length) back off from the longer matches to the shorter ones where
-    those have seen what follows."""
-    heap: list[tuple[float, int, int, int, int, list]] = []  # (-prob, tie, token, parent index, depth, states)
-    tie = 0
-
-    def push(sts: list[tuple[Node, float]], parent_index: int, depth: int, prob: float) -> None:
-        nonlocal tie
-        if depth > max_depth:
-            return
-        live = [(node, w) for node, w in sts if node.children]
-        if not live:
-            return
-        # (sorts are stable: among equal counts a tree's first-inserted child first, as suffix_chain_device's
-        # earliest occurrence)
-        if len(live) == 1:  # one match's counts, in suffix_chain_device's order of operations: prob * count / total
-            children = live[0][0].children
-            total = sum(c.count for c in children.values())
-            ranked = [(token, prob * child.count / total)
-                      for token, child in sorted(children.items(), key=lambda kv: -kv[1].count)[:max_children]]
-        else:
-            mix: dict[int, float] = {}
-            for node, w in live:
-                total = sum(c.count for c in node.children.values())
-                for token, child in node.children.items():
-                    mix[token] = mix.get(token, 0.0) + w * child.count / total
-            weight = sum(w for _, w in live)
-            ranked = [(token, prob * q / weight)
-                      for token, q in sorted(mix.items(), key=lambda kv: -kv[1])[:max_children]]
-        for token, p in ranked:
-            if p >= min_prob:
-                nxt = [(node.children[token], w) for node, w in live if token in node.children]
-                heapq.heappush(heap, (-p, tie, token, parent_index, depth, nxt))
-                tie += 1
-
-    nodes: list[tuple[int, int, int]] = []
-    probs: list[float] = []
-    push(states, 0, 1, 1.0)
-    while heap and len(nodes) < budget:
-        neg, _, token, parent, depth, sts = heapq.heappop(heap)
-        nodes.append((token, parent, depth))
-        probs.append(-neg)
-        push(sts, len(nodes), depth + 1, -neg)
-    return nodes, probs
 
 
 class SuffixState:
@@ -173,7 +41,7 @@ class SuffixState:
 
     def __init__(self, max_depth: int) -> None:
         self.tree = SuffixTree(max_depth)
-        self.active: list[Node] = []
+        self.active: list[int] = []  # the node ids of the sequence's suffixes of lengths 1 .. max_depth - 1
         self.num_tokens = 0
 
     def sync(self, req: Request) -> list[int]:
@@ -183,6 +51,11 @@ class SuffixState:
             self.active = self.tree.add(req.token_slice(self.num_tokens, total), self.active)
             self.num_tokens = total
         return req.token_slice(max(0, total - self.tree.max_depth), total)
+
+    def matches(self) -> list[tuple[int, int]]:
+        """``tree.matches`` of the synced tokens, from the suffix nodes the tree's walk would reach."""
+        kids = self.tree.kids
+        return [(node, length) for length, node in reversed(list(enumerate(self.active, 1))) if kids[node]]
 
 
 @DRAFTERS.register("suffix")
@@ -277,14 +150,15 @@ class SuffixDrafter(Drafter):
         cfg = self.cfg
         depth = min(cfg.num_steps, max_depth or cfg.num_steps)
         most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
-        tail = self._state(req).sync(req)
-        matches = [(node, length) for tree in (req.drafter_state.tree, self.global_tree)
-                   for node, length in tree.matches(tail)]
+        state = self._state(req)
+        tail = state.sync(req)
+        matches = [(state.tree, node, length) for node, length in state.matches()] + \
+            [(self.global_tree, node, length) for node, length in self.global_tree.matches(tail)]
         if cfg.topk > 1:  # a tree from every match at once, the longer ones weighing more
             if not matches:
                 return [], []
-            states = [(node, float(length)) for node, length in matches]
-            budget = min(most, int(cfg.max_spec_factor * max(n for _, n in matches) + cfg.max_spec_offset))
+            states = [(tree, node, float(length)) for tree, node, length in matches]
+            budget = min(most, int(cfg.max_spec_factor * max(n for _, _, n in matches) + cfg.max_spec_offset))
             grown, probs = grow_draft(states, cfg.num_draft_tokens - 1, depth, cfg.topk, 0.0)
             likely = sum(p >= cfg.min_token_prob for p in probs)  # (a prefix: probabilities never rise)
             return grown[: max(0, min(budget, likely))], grown
@@ -292,11 +166,11 @@ class SuffixDrafter(Drafter):
         # drafts it in speculation v2). NOTE: every match length competes: a long match leaves the depth-bounded
         # tree little room to continue
         best: tuple[list, float] = ([], 0.0)
-        for node, length in matches:
+        for tree, node, length in matches:
             budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
             if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
                 continue
-            nodes, probs = grow_draft([(node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
+            nodes, probs = grow_draft([(tree, node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
             if sum(probs) > best[1]:
                 best = (nodes, sum(probs))
         return best[0], best[0]
