@@ -1,7 +1,9 @@
 """The engine's own host work per step that does not depend on the device: the scheduler's choice of the next step
 (``Scheduler.schedule``) in a steady decode, and speculation's adaptive draft-length controller
-(``DraftLengthController.choose`` + ``record``) per iteration, at each ``--batch`` size. Where the host limits a
-small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
+(``DraftLengthController.choose`` + ``record``) per iteration, and ``speculative=suffix``'s drafting
+(``SuffixDrafter.batch_drafts`` with conf/speculative/suffix.yaml's knobs, on synthetic text: phrases drawn from a
+fixed set, some tokens at random; 300-token prompts, 3 tokens a request accepted per iteration), at each ``--batch``
+size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
 
 The scheduler is timed inside a real engine (``model=tiny_llama compile=eager`` unless overridden after ``--``)
 generating ``--tokens`` tokens for each of ``batch`` requests (the second of two runs, so the timed one starts warm);
@@ -20,14 +22,19 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
+from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from framework import LLM  # noqa: E402
 from framework.scheduler import Scheduler  # noqa: E402
+from framework.request import Request  # noqa: E402
+from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.adaptive import DraftLengthController, record_iteration  # noqa: E402
+from framework.speculative.suffix import SuffixDrafter  # noqa: E402
 
 
 def schedule_us(batch: int, tokens: int, overrides: list[str]) -> float:
@@ -77,6 +84,33 @@ def controller_us(batch: int, iterations: int, depth: int = 5) -> tuple[float, f
     return 1e6 * choose / iterations, 1e6 * record / iterations
 
 
+def suffix_us(batch: int, iterations: int) -> float:
+    """Microseconds per ``SuffixDrafter.batch_drafts`` call (its trees' upkeep and the drafts) at ``batch``
+    requests, each growing by 3 tokens an iteration."""
+    rng = np.random.default_rng(0)
+    conf = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "speculative", "suffix.yaml"))
+    knobs = {k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name", "version")}
+    drafter = SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**knobs))
+    phrases = [list(rng.integers(0, 200, size=rng.integers(3, 12))) for _ in range(40)]
+
+    def text(n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            out += [int(t) for t in phrases[rng.integers(40)]] if rng.random() < 0.7 else [int(rng.integers(200))]
+        return out[:n]
+
+    reqs = [Request(rid=i, prompt_ids=text(300), params=SamplingParams(), seed=0, max_new_tokens=1 << 20)
+            for i in range(batch)]
+    spent = 0.0
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        drafter.batch_drafts(reqs)
+        spent += time.perf_counter() - t0
+        for req in reqs:
+            req.output_ids += text(3)
+    return 1e6 * spent / iterations
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
@@ -85,12 +119,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the scheduler's engine")
     args = ap.parse_args()
-    print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}")
+    print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}  {'suffix us':>9}")
     for batch in args.batch:
         sched = statistics.median(schedule_us(batch, args.tokens, args.overrides) for _ in range(args.runs))
         ctl = [controller_us(batch, args.iterations) for _ in range(args.runs)]
         choose, record = (statistics.median(c[i] for c in ctl) for i in (0, 1))
-        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}")
+        suffix = statistics.median(suffix_us(batch, 300) for _ in range(args.runs))
+        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}")
 
 
 if __name__ == "__main__":
