@@ -82,6 +82,22 @@ def test_det_matmul_rows_invariant_interpreted(order: tuple, monkeypatch) -> Non
 
 
 @interpreted
+@pytest.mark.parametrize("order", ORDERS[2:], ids=ORDER_IDS[2:])
+def test_split_tiles_finish_in_their_last_range_as_the_reducing_kernel(order: tuple, monkeypatch) -> None:
+    """``SPLIT_FIXUP``: a split tile's last K range to finish sums the ranges in order and applies the epilogue, the
+    same bits as the second, reducing kernel; every tile's count is back to zero after the launch."""
+    monkeypatch.setattr(det_matmul_module, "INTERPRET_TILE", det_matmul_module.INTERPRET_TILE[:5] + order)
+    monkeypatch.setattr(det_matmul_module, "SPLIT_ROWS", 16)  # several launches at 37 rows
+    x, w, res = randn(37, 2 * 70, seed=5), randn(33, 70, seed=6) / 70 ** 0.5, randn(37, 33, seed=7)
+    outs = {}
+    for fixup in (True, False):
+        monkeypatch.setattr(det_matmul_module, "SPLIT_FIXUP", fixup)
+        outs[fixup] = [torch.ops.tfs.det_matmul(x[:, :70].contiguous(), w), torch.ops.tfs.det_matmul(x, w, res, True)]
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert not det_matmul_module.fixup_counts(torch.device("cpu")).any()
+
+
+@interpreted
 def test_det_rmsnorm_interpreted_and_invariant() -> None:
     weight = torch.rand(96, generator=torch.Generator().manual_seed(3)) + 0.5
     x = randn(9, 96, seed=4)
@@ -324,6 +340,9 @@ def test_det_matmul_gpu_pdl_same_bits() -> None:
 
     plain = layer(layer(x, False), False)
     assert torch.equal(layer(layer(x, True), True), plain)
+    with pytest.MonkeyPatch.context() as patch:  # down's split summed by a second kernel: the same bits
+        patch.setattr(det_matmul_module, "SPLIT_FIXUP", False)
+        assert torch.equal(layer(layer(x, True), True), plain)
     layer(layer(x, True), True)  # warm-up before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -333,6 +352,7 @@ def test_det_matmul_gpu_pdl_same_bits() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)
+    assert not det_matmul_module.fixup_counts(x.device).any()  # every split tile's count reset by its last range
 
 
 @pytest.mark.gpu

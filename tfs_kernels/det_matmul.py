@@ -4,8 +4,8 @@ the row sits (model.deterministic).
 cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so a token's projection differs in its
 last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the tiling is
 fixed (an RMSNorm or a SiLU-mul before the product and a residual add after it fold in): every program computes a
-``[BLOCK_M, BLOCK_N]`` output tile, reducing over K (or over one of a fixed number of K ranges, whose float32 partials a
-second kernel sums in range order) in ``BLOCK_K`` steps upwards with one float32 accumulator, and the tile, its operand
+``[BLOCK_M, BLOCK_N]`` output tile, reducing over K (or over one of a fixed number of K ranges, whose float32 partials
+the tile's last range to finish sums in range order: ``SPLIT_FIXUP``) in ``BLOCK_K`` steps upwards with one float32 accumulator, and the tile, its operand
 order, warps, stages and split are chosen by the weight's shape alone (never by M, never autotuned; M is not
 specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row of
 the tile does not read the other rows.
@@ -62,6 +62,13 @@ MIN_PROGRAMS = 48
 # By the weight's shape alone (batch-invariant); 0 (the default until timed on a GPU): the class's split as it is.
 MIN_SPLIT_K = 0
 SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time (the float32 partials' size)
+# A split tile's K ranges are summed by the last of its programs to finish (an atomic count per tile, reset by that
+# program), in range order, in the same kernel: the same sums as the second, reducing kernel (False), one launch
+# fewer per split product (SmolLM2's down projection: 30 a forward at 2-16 rows). Counts live in one buffer of
+# FIXUP_TILES per device (one stream's kernels use it one after another: a PDL launch touches it only after its
+# wait); a launch of more tiles, or a first launch inside a CUDA graph capture, takes the reducing kernel.
+SPLIT_FIXUP = True
+FIXUP_TILES = 1 << 16
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
 PDL_PREFETCH_K = 256
@@ -132,14 +139,16 @@ def det_tile(X, W, Norm_weight, rows, cols, row_ok, col_ok, K, k_lo, k_hi, eps, 
 
 @triton.jit(do_not_specialize=["M", "eps"])
 def _det_matmul_kernel(
-    X, W, Out, Residual, Norm_weight, Partial, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om, stride_rm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    X, W, Out, Residual, Norm_weight, Partial, Counts, M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_om,
+    stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LATE_NORM: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), SPLIT_K); consecutive programs share a weight tile (L2 reuse).
     # Program (., s) sums K's columns [s * k_per_split, (s + 1) * k_per_split) (k_per_split: whole BLOCK_K steps)
-    # into Partial[s] ``[SPLIT_K, M, N]`` (float32) when SPLIT_K > 1, for _det_matmul_reduce_kernel.
+    # into Partial[s] ``[SPLIT_K, M, N]`` (float32) when SPLIT_K > 1; with FIXUP the tile's last program to finish
+    # (Counts[tile] ``[FIXUP_TILES]`` int32, zero between launches) sums them, else _det_matmul_reduce_kernel.
     pid = tl.program_id(0)
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -160,7 +169,17 @@ def _det_matmul_kernel(
                    BLOCK_M, BLOCK_N, BLOCK_K, SILU_MUL, NORM, IEEE_DOT, SWAP_AB, LATE_NORM)  # [BLOCK_M, BLOCK_N]
     out_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
-        tl.store(Partial + (tl.program_id(1) * M + rows[:, None]) * N + cols[None, :], acc, mask=out_ok)
+        at = Partial + rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] in range 0
+        tl.store(at + tl.program_id(1) * M * N, acc, mask=out_ok)
+        if FIXUP:  # every thread's stores, then one release-acquire count: the last range sees all the others'
+            tl.debug_barrier()
+            if tl.atomic_add(Counts + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.load(at, mask=out_ok, other=0.0, cache_modifier=".cg")  # (L2: not this SM's L1)
+                for s in tl.static_range(1, SPLIT_K):  # in range order, as _det_matmul_reduce_kernel
+                    total += tl.load(at + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                _epilogue(total, Out, Residual, rows[:, None], cols[None, :], out_ok, stride_om, stride_rm,
+                          HAS_RESIDUAL)
+                tl.atomic_xchg(Counts + pid, 0, sem="relaxed", scope="gpu")  # zero for the next launch
     else:
         _epilogue(acc, Out, Residual, rows[:, None], cols[None, :], out_ok, stride_om, stride_rm, HAS_RESIDUAL)
 
@@ -273,13 +292,30 @@ def det_matmul_op(x: torch.Tensor, w: torch.Tensor, residual: Optional[torch.Ten
         xs, outs, res = x[r0:], out[r0:], residual[r0:] if has_res else out
         partial = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else outs
         grid = (triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), split)
-        _det_matmul_kernel[grid](xs, w, outs, res, norm, partial, rows, n, k, k_per_split, eps, x.stride(0),
-                                 w.stride(0), out.stride(0), res.stride(0), **launch)
-        if split > 1:
+        counts = fixup_counts(x.device) if split > 1 and SPLIT_FIXUP and grid[0] <= FIXUP_TILES else None
+        _det_matmul_kernel[grid](xs, w, outs, res, norm, partial, outs if counts is None else counts, rows, n, k,
+                                 k_per_split, eps, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
+                                 FIXUP=counts is not None, **launch)
+        if split > 1 and counts is None:
             _det_matmul_reduce_kernel[(rows, triton.cdiv(n, 1024))](
                 partial, outs, res, rows, n, out.stride(0), res.stride(0), SPLIT_K=split, BLOCK=1024,
                 HAS_RESIDUAL=has_res, USE_PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def fixup_counts(device: torch.device) -> Optional[torch.Tensor]:
+    """The device's split-tile counts ``[FIXUP_TILES]`` int32 (zero between launches: each launch's last programs
+    reset theirs), made on first use; None where the first use is inside a CUDA graph capture (nothing allocated
+    there outlives the graph's pool)."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[device] = torch.zeros(FIXUP_TILES, dtype=torch.int32, device=device)
+    return counts
 
 
 @det_matmul_op.register_fake
