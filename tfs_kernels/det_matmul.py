@@ -308,8 +308,11 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}
 
 def fixup_counts(device: torch.device) -> Optional[torch.Tensor]:
     """The device's split-tile counts ``[FIXUP_TILES]`` int32 (zero between launches: each launch's last programs
-    reset theirs), made on first use; None where the first use is inside a CUDA graph capture (nothing allocated
-    there outlives the graph's pool)."""
+    reset theirs), made on first use; None where the first use is inside a CUDA graph capture. A compiled runner
+    makes them before anything compiles (ModelRunner): the warm-up run of torch.compile's CUDA graphs allocates
+    from the graphs' pool, which refuses a tensor that outlives the run."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     counts = _COUNTS.get(device)
     if counts is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
