@@ -66,8 +66,9 @@ SPLIT_ROWS = 1024  # split-K products run over at most this many rows at a time 
 # program), in range order, in the same kernel: the same sums as the second, reducing kernel (False), one launch
 # fewer per split product (SmolLM2's down projection: 30 a forward at 2-16 rows). Counts live in one buffer of
 # FIXUP_TILES per device (one stream's kernels use it one after another: a PDL launch touches it only after its
-# wait); a launch of more tiles, or a first launch inside a CUDA graph capture, takes the reducing kernel.
-SPLIT_FIXUP = True
+# wait); a launch of more tiles, or a first launch inside a CUDA graph capture, takes the reducing kernel. Off until
+# timed in an engine on a GPU: its kernel tests pass on the H100 (tests/test_kernels_det.py, 2026-12-07).
+SPLIT_FIXUP = False
 FIXUP_TILES = 1 << 16
 # columns of each program's weight rows (from its K range's start) pulled into L2 before a PDL launch waits for the
 # kernel before it (tfs_kernels/pdl.py); a multiple of 64
