@@ -100,18 +100,24 @@ def main() -> None:
     ap.add_argument("--min-programs", type=int, default=det.MIN_PROGRAMS,
                     help="det_matmul.MIN_PROGRAMS: a tile's BLOCK_N halves (down to 16) until the weight has this many "
                          "programs (0: every tile as given)")
+    ap.add_argument("--split-fixup", type=int, choices=[0, 1], default=int(det.SPLIT_FIXUP),
+                    help="det_matmul.SPLIT_FIXUP: a split tile summed by its last K range (1) or a second kernel (0)")
     ap.add_argument("--top", type=int, default=3)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     det.LATE_NORM = bool(args.late_norm)
     det.MIN_PROGRAMS = args.min_programs
+    det.SPLIT_FIXUP = bool(args.split_fixup)
+    if det.SPLIT_FIXUP:
+        det.fixup_counts(torch.device("cuda"))  # (before the CUDA graphs that time the tiles are captured)
     tiles = [(16, bn, bk, w, s, bool(sw), sk) for bn, bk, w, s, sw, sk in itertools.product(
         args.block_n, args.block_k, args.warps, args.stages, args.swap, args.split_k) if bn * bk <= 32768]
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
         tiles = [t[:5] + tuple(bool(v) if i == 0 else v for i, v in enumerate(t[5:])) for t in tiles]
     print(f"{torch.cuda.get_device_name()}: {len(tiles)} tiles (LATE_NORM {det.LATE_NORM}); the current default "
-          f"{det.CUDA_TILE}, per class {det.CUDA_TILES or 'none'}; MIN_PROGRAMS {det.MIN_PROGRAMS}")
+          f"{det.CUDA_TILE}, per class {det.CUDA_TILES or 'none'}; MIN_PROGRAMS {det.MIN_PROGRAMS}, SPLIT_FIXUP "
+          f"{det.SPLIT_FIXUP}")
     ratios: dict[str, dict[tuple, list[float]]] = {}  # class -> tile -> [time / baseline per (model, shape, rows)]
     for model, rows in itertools.product(args.models, args.rows):
         print(f"\n{model}, {rows} row(s): ms per call (weights from HBM), x the default mode's")
