@@ -4,6 +4,7 @@
     python3 bench/e2e.py --cases 8b:1 smollm2:8 --overlap on -- model.tokenizer=/path/to/tokenizer
     python3 bench/e2e.py --cases smollm2_random:1 --overlap on --profile 40   # where the host's time goes
     python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative ngram --kernels 25   # and the GPU's
+    python3 bench/e2e.py --cases smollm2_random:1 --overlap on --speculative ngram --kernels 25 --timeline 60
     python3 bench/e2e.py --cases smollm2:1 smollm2:8 --overlap on --speculative none ngram --max-tokens 256
     python3 bench/e2e.py --cases smollm2_random:8 --overlap on --set framework.models.llama.FUSED_MAX_ROWS=8
     python3 bench/e2e.py --cases smollm2:1 --overlap on --speculative none layer_skip,speculative.exit_layer=24 \
@@ -153,7 +154,7 @@ def engine_overlap(engine: Engine, overlap: str) -> str:
 
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
              profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded",
-             kernels: int = 0) -> dict:
+             kernels: int = 0, stretch: int = 0) -> dict:
     items = case_items(name, batch, new_tokens, repeat, max_tokens, prompt_tokens, prompt_set)
     engine.scheduler.cfg.max_running_requests = batch
     overlap = engine_overlap(engine, overlap)
@@ -193,7 +194,7 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
                 generate_items(engine, [dict(it, id=f"{it['id']}-k") for it in items[:batch]], progress=False)
             return sum(m != "EXTEND" for m in again)  # decode steps / speculative iterations
 
-        row["kernels"] = profile_kernels(work, kernels)
+        row["kernels"] = profile_kernels(work, kernels, stretch)
         print_profile(f"{name}:{batch} overlap {overlap}, {len(items[:batch])} requests (prefills not counted as "
                       "iterations, their kernels are)", row["kernels"])
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
@@ -217,7 +218,8 @@ def child_argv(args: argparse.Namespace, cases: list[str], drafter: str | None, 
     argv = [sys.executable, str(Path(__file__).resolve()), "--cases", *cases, "--overlap", *args.overlap,
             "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat), "--prompts", args.prompts,
             "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-            "--profile", str(args.profile), "--kernels", str(args.kernels), "--rounds", str(args.rounds),
+            "--profile", str(args.profile), "--kernels", str(args.kernels), "--timeline", str(args.timeline),
+            "--rounds", str(args.rounds),
             "--json", json_path, "--no-table"]
     if drafter is not None:
         argv += ["--speculative", drafter]
@@ -276,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="after each case, one batch of its requests under torch.profiler: the GPU's busy share "
                          "and its top N kernels per iteration")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="with --kernels: also N consecutive kernels in launch order from the middle of that run, "
+                         "each with its time and the gap before it (which kernel of a layer costs what)")
     ap.add_argument("--rounds", type=int, default=1, metavar="N",
                     help="run each case N times on its engine and report the round with the median tokens/s (each "
                          "round's tokens/s in rounds_tokens_per_s): short batch jobs spread by 20-40%% between runs")
@@ -316,7 +321,7 @@ def main() -> None:
             for overlap in args.overlap:
                 t0 = time.perf_counter()
                 rounds = [run_case(engine, name, batch, overlap, args.new_tokens, args.repeat, args.profile,
-                                   args.max_tokens, args.prompt_tokens, args.prompts, args.kernels)
+                                   args.max_tokens, args.prompt_tokens, args.prompts, args.kernels, args.timeline)
                           for _ in range(max(1, args.rounds))]
                 rows.append(median_round(rounds))
                 print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -35,10 +35,24 @@ def kernel_times(prof) -> tuple[list, dict[str, list[float]]]:
     return kernels, per_name
 
 
-def profile_kernels(work: Callable[[], int], top: int) -> dict:
+def timeline(spans: list[tuple[str, float, float]], count: int) -> list[tuple[str, float, float]]:
+    """``count`` consecutive kernels from the middle of ``spans`` ((name, start us, end us), any order): (name, us
+    it ran, us since the one before it ended; negative where they overlap, as PDL launches do) in start order. A
+    replayed graph's kernels repeat, so the middle of a steady run shows a typical stretch, one layer's kernels
+    apart from the next's."""
+    spans = sorted(spans, key=lambda k: k[1])
+    first = max(0, (len(spans) - count) // 2)
+    out, end = [], None
+    for name, start, stop in spans[first: first + count]:
+        out.append((name, round(stop - start, 1), round(start - end, 1) if end is not None else 0.0))
+        end = stop
+    return out
+
+
+def profile_kernels(work: Callable[[], int], top: int, stretch: int = 0) -> dict:
     """Run ``work`` (it returns how many iterations it ran) under torch.profiler (CUDA activity only) -> wall us,
-    kernel us and GPU busy us per iteration, busy share, and the ``top`` kernels by time: (name, calls per
-    iteration, us per iteration)."""
+    kernel us and GPU busy us per iteration, busy share, the ``top`` kernels by time: (name, calls per
+    iteration, us per iteration), and ``stretch`` consecutive kernels in order (:func:`timeline`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -55,7 +69,8 @@ def profile_kernels(work: Callable[[], int], top: int) -> dict:
             "kernel_us_per_iteration": round(sum(sum(v) for v in per_name.values()) / n, 1),
             "kernels_per_iteration": round(len(kernels) / n, 1), "busy_us_per_iteration": round(busy / n, 1),
             "gpu_busy_share": round(busy / wall_us, 3) if wall_us else 0.0,
-            "top_kernels": [(name, round(len(t) / n, 2), round(sum(t) / n, 1)) for name, t in ranked]}
+            "top_kernels": [(name, round(len(t) / n, 2), round(sum(t) / n, 1)) for name, t in ranked],
+            "timeline": timeline([(e.name, e.time_range.start, e.time_range.end) for e in kernels], stretch)}
 
 
 def print_profile(label: str, prof: dict) -> None:
@@ -65,3 +80,8 @@ def print_profile(label: str, prof: dict) -> None:
     print("kernel | calls per iteration | us per iteration")
     for name, calls, us in prof["top_kernels"]:
         print(f"{name[:90]} | {calls:.2f} | {us:.1f}")
+    if prof.get("timeline"):
+        print(f"{len(prof['timeline'])} consecutive kernels from the middle of the run: kernel | us | us after the "
+              "one before (negative: overlapped)")
+        for name, us, gap in prof["timeline"]:
+            print(f"{name[:90]} | {us:.1f} | {gap:.1f}")

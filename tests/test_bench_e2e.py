@@ -17,7 +17,7 @@ from framework.errors import ConfigError  # noqa: E402
 from tests.conftest import TINY  # noqa: E402
 
 OPTIONS = ["--cases", "smollm2:1", "smollm2:8", "8b:1", "--overlap", "on", "--new-tokens", "64", "--repeat", "12",
-           "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--rounds", "3", "--speculative", "none", "ngram,speculative.num_steps=2",
+           "--prompts", "open", "--max-tokens", "256", "--kernels", "20", "--timeline", "40", "--rounds", "3", "--speculative", "none", "ngram,speculative.num_steps=2",
            "--set", "framework.models.llama.DET_MAX_ROWS=8", "--", "compile.batch_sizes=[1,8]", "attention=triton"]
 
 
@@ -30,7 +30,7 @@ def test_a_child_gets_the_parents_options_for_its_one_engine():
     assert child.cases == ["smollm2:1", "smollm2:8"] and child.speculative == ["ngram,speculative.num_steps=2"]
     assert child.json == "/tmp/rows.json" and child.no_table and not child.one_process
     for key in ("overlap", "new_tokens", "repeat", "prompts", "max_tokens", "prompt_tokens", "profile", "kernels",
-                "rounds", "set", "extra"):
+                "timeline", "rounds", "set", "extra"):
         assert getattr(child, key) == getattr(args, key), key
     plain = parser.parse_args(e2e.child_argv(args, ["8b:1"], None, "/tmp/rows.json")[2:])
     assert plain.speculative == [None] and plain.cases == ["8b:1"]
@@ -75,6 +75,15 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert busy_us([]) == 0.0
     # overlapping (PDL), nested, touching and separate kernels: [0, 10] u [12, 20] u [30, 31]
     assert busy_us([(12, 15), (0, 6), (4, 10), (5, 7), (14, 20), (30, 31)]) == 10 + 8 + 1
+
+
+def test_the_timeline_is_a_stretch_from_the_middle_in_start_order_with_gaps():
+    from kernel_profile import timeline
+
+    spans = [("c", 20, 26), ("a", 0, 5), ("b", 7, 18), ("d", 25, 30), ("e", 31, 32)]  # d overlaps c (PDL)
+    assert timeline(spans, 3) == [("b", 11, 0.0), ("c", 6, 2), ("d", 5, -1)]
+    assert timeline(spans, 9)[0] == ("a", 5, 0.0) and len(timeline(spans, 9)) == 5
+    assert timeline(spans, 0) == []
 
 
 def test_a_v1_speculative_engine_runs_its_cases_without_overlap():
