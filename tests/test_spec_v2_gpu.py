@@ -107,6 +107,27 @@ def test_startup_compiles_the_model_once_per_verify_width():
     llm.engine.allocator.assert_all_free()
 
 
+def test_an_unpadded_size_1_program_is_captured_at_startup_and_gives_the_same_tokens(monkeypatch):
+    """``fused_iteration.PAD_SIZE_1=False``: a batch-1 iteration runs its own size-1 program (a verify of q rows, not
+    2q), recorded at start-up like every other size, so a batch-1 job compiles nothing; the tokens are the padded
+    program's."""
+    from framework.speculative import fused_iteration
+
+    overrides = cuda_overrides(*BASE, "compile.batch_sizes=[1,2]")
+    padded = LLM(overrides)
+    want = [outputs(padded, [r])[0] for r in items()[:2]]  # one request at a time: batch 1, padded to 2
+    padded.close()
+    monkeypatch.setattr(fused_iteration, "PAD_SIZE_1", False)
+    forget_compiles()
+    llm = LLM(overrides)
+    assert llm.engine.spec_worker.padded_size(1, 5) == 1
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    got = [outputs(llm, [r])[0] for r in items()[:2]]  # one request at a time: batch 1
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+    assert got == want
+    llm.engine.allocator.assert_all_free()
+
+
 def test_first_filtered_sampling_batch_compiles_nothing():
     """Start-up records the prepare-and-verify program that top-k / top-p batches share with the others (their
     finish runs eagerly), so the first such batch replays graphs instead of compiling while serving."""

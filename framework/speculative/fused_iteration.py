@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 # the greedy finish inside the program (False: every batch's finish is a program of its own, as before 7f301c5); a
 # constant so that bench/knobs.py --set can compare the two in one commit
 GREEDY_FINISH = True
+# a batch-1 iteration runs padded to the next captured batch size (SpecV2Worker.padded_size: no second compile of
+# the program for dynamo's size-1 specialisation); False: size 1 is a program of its own, compiled and captured at
+# start-up (a verify of q rows, not 2q, for one more compile of the whole model per width); a constant so that
+# bench/knobs.py --set can compare the two in one commit
+PAD_SIZE_1 = True
 
 
 class FusedIteration:

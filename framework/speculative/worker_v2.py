@@ -41,6 +41,7 @@ from framework.speculative.adaptive_v2 import (HostClock, ShadowAcceptance, any_
                                                iteration_widths, mark_any_width, width_programs)
 from framework.speculative.base import Drafter, SpecContext
 from framework.speculative.chain_verify import verify_chain_greedy, verify_chain_sampling
+from framework.speculative import fused_iteration
 from framework.speculative.fused_iteration import FusedIteration
 from framework.speculative.token_history import TokenHistory
 from framework.speculative.v2_results import SpecLaunched, apply_result
@@ -164,12 +165,13 @@ class SpecV2Worker:
         prepare-and-verify program (:class:`FusedIteration`) of two or more tokens skips size 1 for the next
         captured size. Dynamo compiles a program once more for size 1 (it specialises sizes of 1), and that program
         holds the whole model, while a padded request adds only ``q`` rows to a verify of ``q``. Width 1 (a plain
-        step) keeps size 1, where the decode forward runs its one-row kernels."""
+        step) keeps size 1, where the decode forward runs its one-row kernels. ``fused_iteration.PAD_SIZE_1``
+        False: size 1 stays size 1."""
         runner = self.engine.runner
         if not runner.compiled:
             return bs
         padded = runner.padded_size(bs)
-        if padded == 1 and q > 1 and self._fused is not None:
+        if padded == 1 and q > 1 and self._fused is not None and fused_iteration.PAD_SIZE_1:
             return next((b for b in runner.batch_sizes if b > 1), padded)
         return padded
 
