@@ -5,10 +5,10 @@ cuBLAS and inductor pick tile shapes, split-K and kernels by the row count M, so
 last bits between a decode forward (1 row per request), a verify forward (several) and a prefill. Here the tiling is
 fixed (an RMSNorm or a SiLU-mul before the product and a residual add after it fold in): every program computes a
 ``[BLOCK_M, BLOCK_N]`` output tile, reducing over K (or over one of a fixed number of K ranges, whose float32 partials
-the tile's last range to finish sums in range order: ``SPLIT_FIXUP``) in ``BLOCK_K`` steps upwards with one float32 accumulator, and the tile, its operand
-order, warps, stages and split are chosen by the weight's shape alone (never by M, never autotuned; M is not
-specialised). A row's outputs are then the same sums in the same order for any M: the tensor-core product of one row of
-the tile does not read the other rows.
+a second kernel, or with ``SPLIT_FIXUP`` the tile's last range to finish, sums in range order) in ``BLOCK_K`` steps
+upwards with one float32 accumulator, and the tile, its operand order, warps, stages and split are chosen by the
+weight's shape alone (never by M, never autotuned; M is not specialised). A row's outputs are then the same sums in
+the same order for any M: the tensor-core product of one row of the tile does not read the other rows.
 
 Like ``tfs::det_rmsnorm`` and ``tfs::det_attention`` (and the ``*_pdl`` ops), this is an opaque custom op
 (``torch.library.custom_op`` with a fake kernel), not a ``triton_op``: torch.compile calls it as it is. Inductor
