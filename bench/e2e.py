@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per request of the random-weight cases")
     ap.add_argument("--repeat", type=int, default=4,
                     help="copies of the prompts for the smollm2 cases (more where the batch needs them)")
-    ap.add_argument("--prompts", choices=["grounded", "open"], default="grounded",
-                    help="bench/prompts/<NAME>.jsonl: input-grounded or open-ended chat prompts")
+    ap.add_argument("--prompts", choices=sorted(p.stem for p in PROMPTS.glob("*.jsonl")), default="grounded",
+                    help="bench/prompts/<NAME>.jsonl: input-grounded or open-ended chat prompts, or tasks that share "
+                         "structure (shared, shared32)")
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="smollm2 cases: max_tokens of every request (default: each prompt's own)")
     ap.add_argument("--prompt-tokens", type=int, default=0,

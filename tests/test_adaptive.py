@@ -159,8 +159,9 @@ def test_adaptive_output_equals_plain_and_reports_depths(drafter, batch):
     assert llm.engine.spec_version == ("v2" if "speculative=ngram" in drafter else "v1")  # (suffix drafts trees)
     assert [o.token_ids for o in llm.generate(items(count))] == plain
     summary = llm.engine.spec_worker.stats.summary()
-    depths = summary["chosen_draft_lengths"]
-    assert set(depths) <= {str(k) for k in range(5)} and len(depths) >= 2  # measured several depths
+    depths = summary["chosen_draft_lengths"]  # suffix trees: a verify width's draft tokens (num_draft_tokens 8)
+    allowed = range(5) if "speculative=ngram" in drafter else (0, 1, 3, 7)
+    assert set(depths) <= {str(k) for k in allowed} and len(depths) >= 2  # measured several
     llm.engine.allocator.assert_all_free()
 
 

@@ -140,8 +140,10 @@ class DraftLengthController:
             out.append(total)
         return out
 
-    def choose(self, bs: int, rows: Optional[Sequence[int]] = None) -> int:
-        """The depth of the next iteration of ``bs`` requests (``rows``: theirs, for their own acceptance)."""
+    def choose(self, bs: int, rows: Optional[Sequence[int]] = None, tokens: Optional[Sequence[float]] = None) -> int:
+        """The depth of the next iteration of ``bs`` requests (``rows``: theirs, for their own acceptance);
+        ``tokens``: E(k) from the drafter's own estimate (with ``shadow``: suffix trees' verify widths, whose levels
+        ``k`` stand for depths here) instead of the measured acceptance."""
         self.iterations += 1
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
@@ -149,7 +151,8 @@ class DraftLengthController:
         if self.shadow and 0 not in self._by_bs.get(bs, {}) and \
                 not any(0 in c and max(b, bs) <= NEAR_BATCH * min(b, bs) for b, c in self._by_bs.items()):
             return 0
-        costs, tokens = self.costs(bs), self.expected_tokens_by_depth(rows)
+        costs = self.costs(bs)
+        tokens = self.expected_tokens_by_depth(rows) if tokens is None else list(tokens)
         best = max(range(self.max_depth + 1), key=lambda k: tokens[k] / costs[k])
         if self.explore_every <= 0:
             return best
@@ -289,9 +292,10 @@ class DraftLengthController:
 
 def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
                      emitted: list[int], seconds: float, shadow: Optional[np.ndarray] = None,
-                     rows: Optional[Sequence[int]] = None) -> None:
+                     rows: Optional[Sequence[int]] = None, reported: Optional[int] = None) -> None:
     """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
     ``seconds``; ``shadow``, ``rows``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
-    ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth -> iterations) counts it."""
+    ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth, or ``reported``, -> iterations) counts it."""
     controller.record(bs, k, emitted, seconds, shadow, rows)
-    draft_lengths[k] = draft_lengths.get(k, 0) + 1
+    key = k if reported is None else reported
+    draft_lengths[key] = draft_lengths.get(key, 0) + 1

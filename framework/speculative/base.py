@@ -50,6 +50,7 @@ class SpecContext:
     rows_t: torch.Tensor  # [bs] int64 req_to_token rows on the device
     sampling: Any  # SamplingBatch for the requests
     max_depth: Optional[int] = None  # speculative.adaptive: draft at most this deep (None: num_steps)
+    width: Optional[int] = None  # speculative.adaptive, drafters with adaptive_widths: the batch's verify width
 
 
 class Drafter:
@@ -117,6 +118,16 @@ class Drafter:
 
     def on_finished(self, reqs: list["Request"]) -> None:
         """v2: the host has applied the last iteration of ``reqs`` (finished); their tokens are final."""
+
+    def adaptive_widths(self) -> Optional[list[int]]:
+        """speculative.adaptive: the verify widths (root included) among which the controller picks by the drafter's
+        own estimate of its acceptance (:meth:`expected_tokens`); None: it picks a depth from measured acceptance."""
+        return None
+
+    def expected_tokens(self, ctx: SpecContext) -> list[float]:
+        """With :meth:`adaptive_widths`: tokens a request of ``ctx.reqs`` emits per iteration at level k = 0 (a plain
+        step) .. len(widths) (the width ``widths[k - 1]``), called before :meth:`propose` in the same iteration."""
+        raise NotImplementedError
 
     def propose(self, ctx: SpecContext) -> "DraftTree | None":
         """The draft tree for ``ctx.reqs``, or None when nothing could be drafted for any of them."""

@@ -14,6 +14,11 @@ follows the longest match; a batch verifies every request at its widest draft's 
 and a shorter tree grows into those rows with its next-best nodes. A chain grows from each match alone, and the one
 with the largest expected number of accepted tokens (the sum of its path probabilities) wins. No model forward.
 
+Trees with ``speculative.adaptive=true``: the batch's verify width (a power of two up to ``num_draft_tokens``, or a
+plain step) is the one with the most tokens per second by the trees' own path probabilities, calibrated by what
+verification accepted (:mod:`suffix_width`), and each width's measured cost; every request's tree grows to it
+(``max_spec_factor``, ``max_spec_offset`` and ``min_token_prob`` do not bound it).
+
 Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
 (:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
 (:class:`SuffixCorpus`, ``suffix_cache_tokens`` slots), which the v2 worker feeds as it applies their last iteration.
@@ -33,6 +38,7 @@ from framework.speculative.base import DraftTree, Drafter, SpecContext
 from framework.speculative.suffix_corpus import SuffixCorpus
 from framework.speculative.suffix_device import chain_limits, suffix_chain_device
 from framework.speculative.suffix_tree import SuffixTree, grow_draft
+from framework.speculative.suffix_width import WidthEstimate
 from framework.speculative.tree import host_tree
 
 
@@ -73,6 +79,9 @@ class SuffixDrafter(Drafter):
         self._cached: deque[list[int]] = deque()  # sequences in the global tree, oldest first
         self._cached_tokens = 0
         self._live: list[Request] = []  # requests with a state, until they finish and join the global tree
+        # speculative.adaptive with trees: the width estimate, and the iteration's requests with their growths
+        self._widths = WidthEstimate(self.verify_widths(cfg))
+        self._pending: tuple[list[Request], list[tuple[list, list[float]]]] = ([], [])
 
     # ---- the global tree ------------------------------------------------------------------------------
     def remember(self, tokens: list[int]) -> None:
@@ -141,12 +150,13 @@ class SuffixDrafter(Drafter):
         at most this deep (and ``topk`` times as many nodes), below ``num_steps``. ``fill`` (trees): grow to this
         many nodes where the matches have them, past the match-length budget and ``min_token_prob`` (rows that the
         batch verifies anyway); the nodes drafted without it come first, in the same order."""
-        own, grown = self._drafts(req, max_depth)
+        own, grown, _ = self._drafts(req, max_depth)
         return grown[:fill] if fill > len(own) else own
 
-    def _drafts(self, req: Request, max_depth: Optional[int]) -> tuple[list, list]:
+    def _drafts(self, req: Request, max_depth: Optional[int]) -> tuple[list, list, list[float]]:
         """(the request's draft, and for trees its growth to ``num_draft_tokens - 1`` nodes past the match-length
-        budget and ``min_token_prob``, of which the draft is a prefix: one growth serves both)."""
+        budget and ``min_token_prob``, of which the draft is a prefix: one growth serves both; the growth's path
+        probabilities)."""
         cfg = self.cfg
         depth = min(cfg.num_steps, max_depth or cfg.num_steps)
         most = cfg.num_draft_tokens - 1 if depth >= cfg.num_steps else min(cfg.num_draft_tokens - 1, depth * cfg.topk)
@@ -156,39 +166,59 @@ class SuffixDrafter(Drafter):
             [(self.global_tree, node, length) for node, length in self.global_tree.matches(tail)]
         if cfg.topk > 1:  # a tree from every match at once, the longer ones weighing more
             if not matches:
-                return [], []
+                return [], [], []
             states = [(tree, node, float(length)) for tree, node, length in matches]
             budget = min(most, int(cfg.max_spec_factor * max(n for _, _, n in matches) + cfg.max_spec_offset))
             grown, probs = grow_draft(states, cfg.num_draft_tokens - 1, depth, cfg.topk, 0.0)
             likely = sum(p >= cfg.min_token_prob for p in probs)  # (a prefix: probabilities never rise)
-            return grown[: max(0, min(budget, likely))], grown
+            return grown[: max(0, min(budget, likely))], grown, probs
         # a chain: the match whose draft has the largest expected number of accepted tokens (as suffix_chain_device
         # drafts it in speculation v2). NOTE: every match length competes: a long match leaves the depth-bounded
         # tree little room to continue
-        best: tuple[list, float] = ([], 0.0)
+        best: tuple[list, float, list[float]] = ([], 0.0, [])
         for tree, node, length in matches:
             budget = min(most, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
             if budget < 1 or budget <= best[1]:  # (a draft's score never exceeds its size)
                 continue
             nodes, probs = grow_draft([(tree, node, 1.0)], budget, depth, cfg.topk, cfg.min_token_prob)
             if sum(probs) > best[1]:
-                best = (nodes, sum(probs))
-        return best[0], best[0]
+                best = (nodes, sum(probs), probs)
+        return best[0], best[0], best[2]
 
     def batch_drafts(self, reqs: list[Request], max_depth: Optional[int] = None) -> tuple[list[list], int]:
         """Each request's draft nodes and the batch's verify width ``n`` (the largest draft and the root, rounded up
         to a power of two to bound graph shapes); ``n`` 0: nothing drafted. Trees shorter than ``n - 1`` grow into
         the rows the batch verifies anyway (:meth:`draft`'s ``fill``)."""
         drafts = [self._drafts(req, max_depth) for req in reqs]
-        rows = [own for own, _ in drafts]
+        rows = [own for own, _, _ in drafts]
         if not any(rows):
             return rows, 0
         n = min(self.cfg.num_draft_tokens, 1 << max(len(r) for r in rows).bit_length())
         if self.cfg.topk > 1:
-            rows = [grown[: n - 1] if len(own) < n - 1 else own for own, grown in drafts]
+            rows = [grown[: n - 1] if len(own) < n - 1 else own for own, grown, _ in drafts]
         return rows, n
 
+    # ---- speculative.adaptive (trees): the batch's verify width from the trees' own probabilities -------------
+    def adaptive_widths(self) -> Optional[list[int]]:
+        return self.verify_widths(self.cfg) if self.cfg.topk > 1 else None
+
+    def expected_tokens(self, ctx: SpecContext) -> list[float]:
+        """Grows each request's tree (kept for :meth:`propose`) and estimates its tokens at each width."""
+        self._retire_finished()
+        self._pending = (ctx.reqs, [self._drafts(req, None)[1:] for req in ctx.reqs])
+        return self._widths.expected_tokens([probs for _, probs in self._pending[1]])
+
+    def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
+                  hidden: torch.Tensor, new_roots: list[int]) -> None:
+        if ctx.width is not None:
+            self._widths.record([probs for _, probs in self._pending[1]], ctx.width, accept_index)
+
     def propose(self, ctx: SpecContext) -> DraftTree | None:
+        if ctx.width is not None:  # speculative.adaptive: the width chosen from expected_tokens' trees
+            reqs, drafts = self._pending
+            assert reqs is ctx.reqs, "expected_tokens drafts the iteration's requests before propose"
+            rows = [grown[: ctx.width - 1] for grown, _ in drafts]
+            return host_tree(rows, ctx.width, ctx.roots) if any(rows) else None
         self._retire_finished()
         rows, n = self.batch_drafts(ctx.reqs, ctx.max_depth)
         if not n:

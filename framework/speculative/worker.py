@@ -79,7 +79,11 @@ class SpecWorker:
         self.cfg = cfg
         self.width = spec_kv_width(cfg)
         self.stats = SpecStats(accepted_at_depth=[0] * cfg.num_steps)
-        self.adaptive = DraftLengthController(cfg.num_steps) if cfg.adaptive else None
+        # speculative.adaptive: a depth from measured acceptance, or (drafters with adaptive_widths: suffix trees) a
+        # verify width from the drafter's own estimate, its levels k standing for widths[k - 1] (0: a plain step)
+        self.widths = drafter.adaptive_widths() if cfg.adaptive else None
+        self.adaptive = None if not cfg.adaptive else \
+            DraftLengthController(len(self.widths), shadow=True) if self.widths else DraftLengthController(cfg.num_steps)
 
     def on_extend_launch(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
                          sampled: torch.Tensor) -> None:
@@ -98,9 +102,14 @@ class SpecWorker:
         packed = torch.tensor([[r.output_ids[-1] for r in reqs], kv_lens, rows], dtype=torch.int64).to(dev)
         roots, kv_lens_t, rows_t = packed[0], packed[1], packed[2]
         sampling = sched.sampling_batch(reqs)
-        depth = self.adaptive.choose(bs) if self.adaptive else cfg.num_steps
         ctx = SpecContext(reqs=reqs, kv_lens=kv_lens, slots=slots, roots=roots, kv_lens_t=kv_lens_t, rows_t=rows_t,
-                          sampling=sampling, max_depth=depth)
+                          sampling=sampling)
+        depth = cfg.num_steps if not self.adaptive else \
+            self.adaptive.choose(bs, tokens=self.drafter.expected_tokens(ctx) if self.widths else None)
+        if self.widths:
+            ctx.width = self.widths[depth - 1] if depth else None
+        else:
+            ctx.max_depth = depth
         tree = self.drafter.propose(ctx) if depth > 0 else None
         if tree is None:  # nothing drafted for any request: a plain decode step (its slots were assigned above)
             for req, L in zip(reqs, kv_lens):
@@ -109,7 +118,7 @@ class SpecWorker:
                 req.spec_accepted_tokens += 1
             self._record([1] * bs, time.perf_counter() - t0, 0.0)
             finished = eng.plain_step(step)
-            self._adapt(bs, depth, [1] * bs, t0)
+            self._adapt(bs, 0 if self.widths else depth, [1] * bs, t0)  # (a depth: requests without drafts missed)
             return finished
         n = tree.num_nodes  # at most num_draft_tokens (a drafter may draft a narrower tree)
         t1 = time.perf_counter()
@@ -149,8 +158,9 @@ class SpecWorker:
 
     def _adapt(self, bs: int, depth: int, lens: list[int], t0: float) -> None:
         """speculative.adaptive: what an iteration drafted ``depth`` deep gave, for the next choices."""
-        if self.adaptive is not None:
-            record_iteration(self.adaptive, self.stats.draft_lengths, bs, depth, lens, time.perf_counter() - t0)
+        if self.adaptive is not None:  # (reported as draft tokens a request: a width's nodes past the root)
+            record_iteration(self.adaptive, self.stats.draft_lengths, bs, depth, lens, time.perf_counter() - t0,
+                             reported=self.widths[depth - 1] - 1 if self.widths and depth else depth)
 
     def _compact(self, reqs: list[Request], kv_lens: list[int], paths: list[list[int]]) -> None:
         """Copy each accepted node's K/V from its tree position to the path's contiguous position."""
