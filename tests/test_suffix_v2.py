@@ -122,11 +122,14 @@ def mean_accept(outs) -> float:
     return sum(o.spec["mean_accept_len"] for o in outs) / len(outs)
 
 
-def test_version_auto_stays_v1_and_v2_runs_when_asked(caplog):
+def test_version_auto_runs_chains_in_v2_and_trees_in_v1(caplog):
     with caplog.at_level(logging.INFO, logger="framework.engine"):
-        auto = LLM(TINY + CHAIN)
-    assert auto.engine.spec_version == "v1"  # v2_by_default is False until a GPU has run it
-    assert any("speculative.version=auto: running v1" in r.getMessage() for r in caplog.records)
+        trees = LLM(TINY + ["speculative=suffix"])
+    assert trees.engine.spec_version == "v1"  # (the yaml's trees: v2 runs chains only, and the log line says so)
+    assert any("speculative.version=auto: running v1" in r.getMessage() and "topk=1" in r.getMessage()
+               for r in caplog.records)
+    auto = LLM(TINY + CHAIN)
+    assert auto.engine.spec_version == "v2"  # (its chains have given v1's tokens on a GPU: v2_by_default)
     v2 = LLM(TINY + CHAIN + ["speculative.version=v2", "scheduler.overlap=on"])
     assert v2.engine.spec_version == "v2" and v2.engine.spec_worker.version == "v2" and v2.engine.overlap
     assert v2.engine.drafter.corpus is not None and v2.engine.drafter.corpus.capacity == 16384

@@ -68,7 +68,7 @@ class SuffixState:
 class SuffixDrafter(Drafter):
     name = "suffix"
     drafts_on_device = drafts_in_v2 = True  # chains: suffix_chain_device (speculation v2)
-    v2_by_default = False  # (not yet run on a GPU: speculative.version=auto keeps v1)
+    v2_by_default = True  # chains: v1's tokens on a GPU, no synchronisation (tests/test_spec_v2_gpu.py)
 
     def __init__(self, engine, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg

@@ -22,7 +22,10 @@ def v2_unsupported(cfg: SpeculativeConfig) -> Optional[str]:
     if cfg.skip_search:
         return "speculative.skip_search=true searches the skip set between v1 iterations"
     if cfg.topk > 1:
-        return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}"
+        chains = getattr(DRAFTERS.get(cfg.name), "drafts_on_device", False)
+        return f"speculation v2 runs chains only (topk=1), got topk={cfg.topk}" + (
+            f"; {cfg.name}'s chains (speculative.topk=1 speculative.num_draft_tokens=0) run in v2, whose iteration "
+            "stays on the device (on a GPU, v1's host work is on every iteration's critical path)" if chains else "")
     if not getattr(DRAFTERS.get(cfg.name), "drafts_in_v2", False):
         return (f"speculative={cfg.name} does not run in v2 (v2 runs: ngram, suffix, layer_skip, draft_model, eagle, "
                 f"mtp)")
