@@ -105,3 +105,25 @@ def test_greedy_verify_equals_a_walk_on_random_trees():
                                   max_children)
             assert res.accept_index[b].tolist() == path + [-1] * (num_steps + 1 - len(path)), (n, b)
             assert int(res.accept_lens[b]) == len(path)
+
+
+def test_host_trees_carry_the_ancestor_mask_of_their_parents():
+    """host_tree builds each node's ancestors on the host (an int64 of bits, the sign bit at 64 nodes): equal to
+    ancestor_mask of the uploaded parents, padding included; wider trees leave it to tree_mask."""
+    from framework.speculative.tree import host_tree, tree_mask
+
+    gen = torch.Generator().manual_seed(1)
+    for n in (2, 8, 33, 64, 65):
+        rows = []
+        for b in range(3):
+            size = int(torch.randint(0, n, (1,), generator=gen))  # nodes after the root; the rest padding
+            nodes = []
+            for i in range(1, size + 1):
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                nodes.append((int(torch.randint(0, 100, (1,), generator=gen)), parent,
+                              1 + (nodes[parent - 1][2] if parent else 0)))
+            rows.append(nodes)
+        tree = host_tree(rows, n, torch.arange(3))
+        assert (tree.mask is None) == (n > 64)
+        assert torch.equal(tree_mask(tree), reference_mask(tree.parents)), n
+        assert tree_mask(tree) is tree.mask  # computed once

@@ -28,6 +28,7 @@ class DraftTree:
     # [bs, n, vocab]: the distribution node i's children were *sampled* from (q for rejection sampling);
     # None when children were chosen deterministically (top-k, n-gram lookup): verification then uses q = one-hot
     draft_probs: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None  # [bs, n, n] bool ancestor mask, once known (tree.tree_mask)
 
     @property
     def bs(self) -> int:

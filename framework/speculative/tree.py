@@ -17,18 +17,27 @@ def chain_tree(tokens: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Ten
 
 def host_tree(rows: list[list[tuple[int, int, int]]], n: int, roots: torch.Tensor) -> DraftTree:
     """Trees drafted on the host: ``rows[b]`` request b's nodes (token, parent index, depth) after the root,
-    parents first, at most ``n - 1``; padded to ``n`` nodes with invalid ones; ``roots`` ``[bs]`` on the device."""
+    parents first, at most ``n - 1``; padded to ``n`` nodes with invalid ones (children of the root); ``roots``
+    ``[bs]`` on the device. Up to 64 nodes the ancestor mask comes with them, built on the host as one int64 of bits
+    per node, in the same upload (no device work to derive it; wider trees: :func:`tree_mask`)."""
+    wide = n > 64
     tokens = [[0] * n for _ in rows]
     parents = [[-1] + [0] * (n - 1) for _ in rows]
     depths = [[0] + [1] * (n - 1) for _ in rows]
     valid = [[True] + [False] * (n - 1) for _ in rows]
+    bits = [[1] + [1 | 1 << i for i in range(1, n)] for _ in rows]  # [b][i]: bit j set iff j is i or an ancestor
     for b, nodes in enumerate(rows):
+        row_bits = bits[b]
         for i, (token, parent, depth) in enumerate(nodes, start=1):
             tokens[b][i], parents[b][i], depths[b][i], valid[b][i] = token, parent, depth, True
-    packed = torch.tensor([tokens, parents, depths, valid], dtype=torch.int64).to(roots.device)
+            row_bits[i] = row_bits[parent] | 1 << i
+        bits[b] = [0] * n if wide else [v - (1 << 64) if v >> 63 else v for v in row_bits]  # (bit 63: the sign)
+    packed = torch.tensor([tokens, parents, depths, valid, bits], dtype=torch.int64).to(roots.device)
     tokens_t = packed[0].clone()
     tokens_t[:, 0] = roots
-    return DraftTree(tokens=tokens_t, parents=packed[1], depths=packed[2], valid=packed[3].bool())
+    mask = None if wide else \
+        ((packed[4][:, :, None] >> torch.arange(n, device=roots.device)) & 1).bool()  # (arithmetic shift: bit 63 too)
+    return DraftTree(tokens=tokens_t, parents=packed[1], depths=packed[2], valid=packed[3].bool(), mask=mask)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -42,6 +51,13 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(max(1, (n - 1).bit_length())):  # paths of length 2^k after k squarings
         reach = (reach @ reach).clamp(max=1.0)
     return reach > 0
+
+
+def tree_mask(tree: DraftTree) -> torch.Tensor:
+    """``tree``'s ancestor mask ``[bs, n, n]`` (:func:`ancestor_mask`), computed once per tree."""
+    if tree.mask is None:
+        tree.mask = ancestor_mask(tree.parents)
+    return tree.mask
 
 
 def children_table(parents: torch.Tensor, valid: torch.Tensor, max_children: int) -> torch.Tensor:

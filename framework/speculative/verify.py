@@ -20,7 +20,7 @@ import torch
 from framework.batch import SamplingBatch
 from framework.sampling import probs_from_logits, sample_from_probs, uniform_noise
 from framework.speculative.base import DraftTree
-from framework.speculative.tree import ancestor_mask, children_table
+from framework.speculative.tree import children_table, tree_mask
 from tfs_kernels.fill_bonus_tokens import fill_bonus_tokens
 
 SALT_ACCEPT = 101  # uniform draws for the acceptance tests, one per node
@@ -97,7 +97,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor, num_steps: int, max_chi
     match = child & (tree.tokens == torch.gather(predict, 1, parents.clamp(min=0)))
     first = match & ~(earlier & match[:, None, :]).any(-1)  # [bs, n] the first matching child of its parent
     first[:, 0] = True  # the root
-    accepted = (~ancestor_mask(parents) | first[:, None, :]).all(-1)  # [bs, n]: the accepted path, a chain
+    accepted = (~tree_mask(tree) | first[:, None, :]).all(-1)  # [bs, n]: the accepted path, a chain
     accept_lens = torch.where(accepted, tree.depths, -1).max(-1).values + 1
     slot = torch.where(accepted, tree.depths, num_steps + 1)  # each path node's depth; the rest to a dump column
     accept_index = torch.full((bs, num_steps + 2), -1, dtype=torch.int64, device=dev)

@@ -24,7 +24,7 @@ from framework.scheduler import ScheduledStep
 from framework.speculative import DRAFTERS
 from framework.speculative.adaptive import DraftLengthController, record_iteration
 from framework.speculative.base import Drafter, SpecContext
-from framework.speculative.tree import ancestor_mask
+from framework.speculative.tree import tree_mask
 from framework.speculative.verify import verify
 
 
@@ -128,7 +128,7 @@ class SpecWorker:
             positions=(kv_lens_t[:, None] + tree.depths).reshape(-1),
             out_cache_loc=slots[:, :n].reshape(-1), req_pool_indices=rows_t, seq_lens=kv_lens_t + n,
             seq_lens_cpu=[L + n for L in kv_lens], extend_lens_cpu=[n] * bs,
-            logits_index=torch.arange(bs * n, device=dev), custom_mask=ancestor_mask(tree.parents),
+            logits_index=torch.arange(bs * n, device=dev), custom_mask=tree_mask(tree),
             sampling=sampling)
         logits, hidden = eng.runner.forward(batch)
         result = verify(tree, logits, sampling, cfg.num_steps, self.drafter.max_children)
