@@ -19,7 +19,7 @@ from framework.compile_guards import CAN_SKIP_GUARDS, full_guards, guarded_if_sk
 from framework.graph_inputs import StaticInputs, extend_graph_shape, pad_extend, pad_uniform
 from framework.kv import DUMMY_ROW, DUMMY_SLOT
 from framework.models.llama import LlamaForCausalLM
-from tfs_kernels.det_matmul import fixup_counts
+import tfs_kernels.det_matmul as det_matmul
 from tfs_kernels.inductor_fallbacks import register_inductor_fallbacks
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.device = device
-        if compiled and device.type == "cuda":  # tfs::det_matmul's split-tile counts, outside the graphs' pool
-            fixup_counts(device)
+        if compiled and device.type == "cuda" and det_matmul.SPLIT_FIXUP:  # its split-tile counts, outside the
+            det_matmul.fixup_counts(device)  # CUDA graphs' pool (made lazily, they came from it)
         # compile.pdl, resolved: a compiling runner's kernels launch with PDL (its eager prefill's too)
         self.pdl = pdl and compiled
         model.pdl = backend.pdl = self.pdl

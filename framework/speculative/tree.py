@@ -30,7 +30,8 @@ def host_tree(rows: list[list[tuple[int, int, int]]], n: int, roots: torch.Tenso
         row_bits = bits[b]
         for i, (token, parent, depth) in enumerate(nodes, start=1):
             tokens[b][i], parents[b][i], depths[b][i], valid[b][i] = token, parent, depth, True
-            row_bits[i] = row_bits[parent] | 1 << i
+            if not wide:
+                row_bits[i] = row_bits[parent] | 1 << i
         bits[b] = [0] * n if wide else [v - (1 << 64) if v >> 63 else v for v in row_bits]  # (bit 63: the sign)
     packed = torch.tensor([tokens, parents, depths, valid, bits], dtype=torch.int64).to(roots.device)
     tokens_t = packed[0].clone()
