@@ -25,7 +25,10 @@ iteration counts as one; ``--rounds N``: the case N times, the median round repo
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
 iteration and the iteration's GPU time from CUDA events (speculation v2). ``--kernels N``: after each case, one
 batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
-the wall time (what is left is the GPU waiting for the host) and the N kernels that took the most. Where there are several engines (models x
+the wall time (what is left is the GPU waiting for the host) and the N kernels that took the most. A drafter that remembers finished requests
+(``speculative=suffix``: its corpus of earlier outputs) keeps them across an engine's rounds and cases, so a second
+round, or a later case over the same prompts, is a repeat of those prompts for it: for first sight, one case and one
+round a command. Where there are several engines (models x
 drafters), each runs in a process of its own, one after another, and the table at the end gathers their rows: an
 engine built after another in one process runs slower (docs/PERFORMANCE.md, "A second engine in one process");
 ``--one-process`` builds them all in this one.
