@@ -2,8 +2,9 @@
 (``Scheduler.schedule``) in a steady decode, and speculation's adaptive draft-length controller
 (``DraftLengthController.choose`` + ``record``) per iteration, and ``speculative=suffix``'s drafting
 (``SuffixDrafter.batch_drafts`` with conf/speculative/suffix.yaml's knobs, on synthetic text: phrases drawn from a
-fixed set, some tokens at random; 300-token prompts, 3 tokens a request accepted per iteration), at each ``--batch``
-size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
+fixed set, some tokens at random; 300-token prompts, 3 tokens a request accepted per iteration), and its v2 chains
+drafted eagerly (``suffix_chain_device`` over a full corpus ring, as the CPU runs speculation v2), at each
+``--batch`` size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
 
 The scheduler is timed inside a real engine (``model=tiny_llama compile=eager`` unless overridden after ``--``)
 generating ``--tokens`` tokens for each of ``batch`` requests (the second of two runs, so the timed one starts warm);
@@ -23,8 +24,10 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
+import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +38,8 @@ from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.adaptive import DraftLengthController, record_iteration  # noqa: E402
 from framework.speculative.suffix import SuffixDrafter  # noqa: E402
+from framework.speculative.suffix_corpus import SuffixCorpus  # noqa: E402
+from framework.speculative.suffix_device import chain_limits, suffix_chain_device  # noqa: E402
 
 
 def schedule_us(batch: int, tokens: int, overrides: list[str]) -> float:
@@ -84,13 +89,8 @@ def controller_us(batch: int, iterations: int, depth: int = 5) -> tuple[float, f
     return 1e6 * choose / iterations, 1e6 * record / iterations
 
 
-def suffix_us(batch: int, iterations: int) -> float:
-    """Microseconds per ``SuffixDrafter.batch_drafts`` call (its trees' upkeep and the drafts) at ``batch``
-    requests, each growing by 3 tokens an iteration."""
-    rng = np.random.default_rng(0)
-    conf = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "speculative", "suffix.yaml"))
-    knobs = {k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name", "version")}
-    drafter = SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**knobs))
+def synthetic_text(rng: np.random.Generator) -> Callable[[int], list[int]]:
+    """``text(n)``: n tokens of phrases drawn from a fixed set of 40, 30% of tokens at random (a vocabulary of 200)."""
     phrases = [list(rng.integers(0, 200, size=rng.integers(3, 12))) for _ in range(40)]
 
     def text(n: int) -> list[int]:
@@ -98,6 +98,43 @@ def suffix_us(batch: int, iterations: int) -> float:
         while len(out) < n:
             out += [int(t) for t in phrases[rng.integers(40)]] if rng.random() < 0.7 else [int(rng.integers(200))]
         return out[:n]
+
+    return text
+
+
+def suffix_knobs() -> dict:
+    """conf/speculative/suffix.yaml's knobs."""
+    conf = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "speculative", "suffix.yaml"))
+    return {k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name", "version")}
+
+
+def chain_us(batch: int, iterations: int) -> float:
+    """Microseconds per eager ``suffix_chain_device`` call (speculation v2's suffix chains drafted on the CPU) at
+    ``batch`` requests of 400 known tokens, over a full corpus ring (``suffix_cache_tokens`` slots)."""
+    rng = np.random.default_rng(0)
+    text, knobs = synthetic_text(rng), suffix_knobs()
+    corpus = SuffixCorpus(knobs["suffix_cache_tokens"], torch.device("cpu"))
+    while corpus.num_tokens < knobs["suffix_cache_tokens"] - 600:
+        corpus.add([text(300)])
+    history = torch.tensor([text(512) for _ in range(batch)])  # [batch, 512]
+    lens = torch.full((batch,), 400)
+    limits = torch.tensor(chain_limits(knobs["num_steps"], knobs["suffix_max_depth"], knobs["max_spec_factor"],
+                                       knobs["max_spec_offset"]))
+    ring, start = corpus.window()
+    spent = 0.0
+    for i in range(iterations + 1):
+        t0 = time.perf_counter()
+        suffix_chain_device(history, lens, ring, start, limits, knobs["num_steps"], knobs["min_token_prob"])
+        spent += (time.perf_counter() - t0) if i else 0.0  # the first call warms up
+    return 1e6 * spent / iterations
+
+
+def suffix_us(batch: int, iterations: int) -> float:
+    """Microseconds per ``SuffixDrafter.batch_drafts`` call (its trees' upkeep and the drafts) at ``batch``
+    requests, each growing by 3 tokens an iteration."""
+    rng = np.random.default_rng(0)
+    text = synthetic_text(rng)
+    drafter = SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**suffix_knobs()))
 
     reqs = [Request(rid=i, prompt_ids=text(300), params=SamplingParams(), seed=0, max_new_tokens=1 << 20)
             for i in range(batch)]
@@ -119,13 +156,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the scheduler's engine")
     args = ap.parse_args()
-    print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}  {'suffix us':>9}")
+    print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}  {'suffix us':>9}"
+          f"  {'chain us':>9}")
     for batch in args.batch:
         sched = statistics.median(schedule_us(batch, args.tokens, args.overrides) for _ in range(args.runs))
         ctl = [controller_us(batch, args.iterations) for _ in range(args.runs)]
         choose, record = (statistics.median(c[i] for c in ctl) for i in (0, 1))
         suffix = statistics.median(suffix_us(batch, 300) for _ in range(args.runs))
-        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}")
+        chain = statistics.median(chain_us(batch, 20) for _ in range(args.runs))
+        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}  {chain:>9.1f}")
 
 
 if __name__ == "__main__":
