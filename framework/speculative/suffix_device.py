@@ -32,9 +32,15 @@ from collections import Counter
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 SEP = -1  # no token: a separator between corpus requests, a free slot, past a request's known tokens
 MAX_OCCURRENCES = 64  # occurrences per source whose continuations are counted
+# Compiled (inside the iteration's CUDA graph): both sources, the request's own tokens and the corpus ring (rotated
+# to start at its oldest slot), as one batch of 2 x bs rows padded with separators to the longer one, so that their
+# chains take one set of kernels instead of two (about 40 launches each when compiled by inductor on the CPU). The
+# same drafts (tests/test_suffix_v2.py); off until timed on a GPU.
+BATCH_SOURCES = False
 
 
 def chain_limits(num_steps: int, max_depth: int, factor: float, offset: float) -> list[int]:
@@ -103,11 +109,13 @@ def _source_chains(text: torch.Tensor, age: torch.Tensor, query: torch.Tensor, l
 
 def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optional[torch.Tensor],
                         corpus_start: Optional[torch.Tensor], limits: torch.Tensor, num_steps: int, min_prob: float,
-                        max_occurrences: int = MAX_OCCURRENCES) -> tuple[torch.Tensor, torch.Tensor]:
+                        max_occurrences: int = MAX_OCCURRENCES,
+                        batch_sources: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """history ``[bs, width]`` each request's tokens, ``lens`` ``[bs]`` how many are known (the last the root);
     corpus ``[c]`` finished requests' tokens (SEP-separated ring, or None), ``corpus_start`` ``[1]`` its oldest
     slot; limits ``[suffix_max_depth - 1]`` (:func:`chain_limits`) -> (drafts ``[bs, num_steps]`` int64, valid
-    ``[bs, num_steps]`` bool, a prefix of each row)."""
+    ``[bs, num_steps]`` bool, a prefix of each row). ``batch_sources``: both sources in one batch (the same drafts;
+    None: :data:`BATCH_SOURCES` where compiling)."""
     bs, width = history.shape
     dev = history.device
     lm = limits.shape[0]
@@ -116,6 +124,18 @@ def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optio
     own = torch.where(cols[None, :] < lens[:, None], own, torch.full_like(own, SEP))
     back = lens[:, None] - 1 - torch.arange(lm, device=dev)[None, :]  # [bs, Lm] positions of the last tokens
     query = torch.where(back >= 0, torch.gather(own, 1, back.clamp(min=0)), torch.full_like(back, SEP))
+    if batch_sources is None:
+        batch_sources = BATCH_SOURCES and torch.compiler.is_compiling()
+    if corpus is not None and batch_sources:
+        c = corpus.shape[0]
+        n = max(width + 1, c)
+        ring = corpus[(torch.arange(c, device=dev) + corpus_start) % c]  # [c] oldest slot first (ages 0 .. c - 1)
+        text = torch.cat([F.pad(own, (0, n - width - 1), value=SEP),
+                          F.pad(ring, (0, n - c), value=SEP)[None, :].expand(bs, n)])  # [2 * bs, n]
+        t, v, s = _source_chains(text, torch.arange(n, device=dev)[None, :], torch.cat([query, query]), limits,
+                                 num_steps, min_prob, max_occurrences)
+        tokens, valid, score = (torch.cat([a[:bs].flip(1), a[bs:].flip(1)], dim=1) for a in (t, v, s))
+        return _best_chain(tokens, valid, score)
     tokens, valid, score = _source_chains(own, cols[None, :], query, limits, num_steps, min_prob, max_occurrences)
     if corpus is not None:
         c = corpus.shape[0]
@@ -126,6 +146,13 @@ def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optio
                                 ((tokens, t2), (valid, v2), (score, s2)))
     else:
         tokens, valid, score = tokens.flip(1), valid.flip(1), score.flip(1)  # longest match first
+    return _best_chain(tokens, valid, score)
+
+
+def _best_chain(tokens: torch.Tensor, valid: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chains ``[bs, chains, num_steps]`` (own tokens first, longer matches first), their validity and scores
+    ``[bs, chains]`` -> the best chain's drafts and validity ``[bs, num_steps]``."""
+    bs, dev = tokens.shape[0], tokens.device
     best = score.argmax(dim=1)  # [bs] the first of the best: own before corpus, longer before shorter
     rows = torch.arange(bs, device=dev)
     drafts = tokens[rows, best]  # [bs, num_steps]
