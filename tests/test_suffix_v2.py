@@ -60,11 +60,12 @@ def device_drafts(knobs: dict, corpus: SuffixCorpus, history: torch.Tensor, lens
                                             window[1] if window else None, torch.tensor(limits), knobs["num_steps"],
                                             knobs["min_prob"], max_occurrences)
     assert torch.equal(valid_w, valid) and torch.equal(drafts_w[valid], drafts[valid])
-    # both sources as one batch (suffix_device.BATCH_SOURCES, compiled graphs): the ring rotated to its oldest slot,
-    # the shorter source padded; the same drafts over the ring and over the window
+    # the form compiled graphs take with suffix_device.FUSED_GRAPH (both sources as one batch, the ring rotated to its
+    # oldest slot, the shorter source padded; each step's counts as a reduction): the same drafts over the ring, over
+    # the window, and without a corpus
     for ring, start in ((corpus.tokens, corpus.start), window or (None, None)):
         drafts_b, valid_b = suffix_chain_device(history, lens, ring, start, torch.tensor(limits), knobs["num_steps"],
-                                                knobs["min_prob"], max_occurrences, batch_sources=True)
+                                                knobs["min_prob"], max_occurrences, fused_graph=True)
         assert torch.equal(valid_b, valid) and torch.equal(drafts_b, drafts)
     return [d[v].tolist() for d, v in zip(drafts, valid)]
 

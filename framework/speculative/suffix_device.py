@@ -36,11 +36,12 @@ import torch.nn.functional as F
 
 SEP = -1  # no token: a separator between corpus requests, a free slot, past a request's known tokens
 MAX_OCCURRENCES = 64  # occurrences per source whose continuations are counted
-# Compiled (inside the iteration's CUDA graph): both sources, the request's own tokens and the corpus ring (rotated
-# to start at its oldest slot), as one batch of 2 x bs rows padded with separators to the longer one, so that their
-# chains take one set of kernels instead of two (about 40 launches each when compiled by inductor on the CPU). The
-# same drafts (tests/test_suffix_v2.py); off until timed on a GPU.
-BATCH_SOURCES = False
+# Compiled (inside the iteration's CUDA graph), the form that inductor fuses: both sources, the request's own tokens
+# and the corpus ring (rotated to start at its oldest slot), as one batch of 2 x bs rows padded with separators to the
+# longer one, and each step's counts as a reduction rather than a batched matmul. Compiled by inductor on the CPU: 7
+# launches against 41 (probe/suffix-launches). The same drafts (tests/test_suffix_v2.py); off until timed on a GPU.
+# Eagerly the two sources and the matmul stay (on the CPU the reduction costs 2.4x the matmul at batch 64).
+FUSED_GRAPH = False
 
 
 def chain_limits(num_steps: int, max_depth: int, factor: float, offset: float) -> list[int]:
@@ -49,7 +50,8 @@ def chain_limits(num_steps: int, max_depth: int, factor: float, offset: float) -
 
 
 def _source_chains(text: torch.Tensor, age: torch.Tensor, query: torch.Tensor, limits: torch.Tensor, num_steps: int,
-                   min_prob: float, max_occurrences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   min_prob: float, max_occurrences: int,
+                   reduce_counts: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chains of one source for every match length. text / age ``[1 or bs, n]`` (a ring: text holds at least one
     SEP, so no match runs around it; age orders occurrences, oldest smallest), query ``[bs, Lm]`` the request's
     tokens from its last back (SEP past its first), limits ``[Lm]`` -> (tokens ``[bs, Lm, num_steps]``, their
@@ -89,8 +91,12 @@ def _source_chains(text: torch.Tensor, age: torch.Tensor, query: torch.Tensor, l
     for k in range(num_steps):
         c = cont[:, :, k]  # [bs, m] each occurrence's next token
         has = alive & (c != SEP)[:, None, :]  # [bs, Lm, m]
-        same = (c[:, :, None] == c[:, None, :]).to(torch.float32)  # [bs, m, m]
-        counts = torch.bmm(has.to(torch.float32), same)  # [bs, Lm, m] occurrences sharing occurrence i's token
+        same = c[:, :, None] == c[:, None, :]  # [bs, m, m]
+        if reduce_counts:  # (FUSED_GRAPH) a reduction, which fuses with the step's other work when compiled
+            counts = (has[:, :, None, :] & same[:, None, :, :]).sum(dim=3).to(torch.float32)
+        else:
+            counts = torch.bmm(has.to(torch.float32), same.to(torch.float32))
+        # counts [bs, Lm, m]: occurrences sharing occurrence i's token
         counts = torch.where(has, counts, torch.full_like(counts, -1.0))
         best = counts.argmax(dim=2, keepdim=True)  # [bs, Lm, 1] the first (oldest) of the most frequent
         count = torch.gather(counts, 2, best)[:, :, 0].to(torch.float64)
@@ -110,12 +116,12 @@ def _source_chains(text: torch.Tensor, age: torch.Tensor, query: torch.Tensor, l
 def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optional[torch.Tensor],
                         corpus_start: Optional[torch.Tensor], limits: torch.Tensor, num_steps: int, min_prob: float,
                         max_occurrences: int = MAX_OCCURRENCES,
-                        batch_sources: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        fused_graph: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """history ``[bs, width]`` each request's tokens, ``lens`` ``[bs]`` how many are known (the last the root);
     corpus ``[c]`` finished requests' tokens (SEP-separated ring, or None), ``corpus_start`` ``[1]`` its oldest
     slot; limits ``[suffix_max_depth - 1]`` (:func:`chain_limits`) -> (drafts ``[bs, num_steps]`` int64, valid
-    ``[bs, num_steps]`` bool, a prefix of each row). ``batch_sources``: both sources in one batch (the same drafts;
-    None: :data:`BATCH_SOURCES` where compiling)."""
+    ``[bs, num_steps]`` bool, a prefix of each row). ``fused_graph``: :data:`FUSED_GRAPH`'s form (the same drafts;
+    None: :data:`FUSED_GRAPH` where compiling)."""
     bs, width = history.shape
     dev = history.device
     lm = limits.shape[0]
@@ -124,19 +130,20 @@ def suffix_chain_device(history: torch.Tensor, lens: torch.Tensor, corpus: Optio
     own = torch.where(cols[None, :] < lens[:, None], own, torch.full_like(own, SEP))
     back = lens[:, None] - 1 - torch.arange(lm, device=dev)[None, :]  # [bs, Lm] positions of the last tokens
     query = torch.where(back >= 0, torch.gather(own, 1, back.clamp(min=0)), torch.full_like(back, SEP))
-    if batch_sources is None:
-        batch_sources = BATCH_SOURCES and torch.compiler.is_compiling()
-    if corpus is not None and batch_sources:
+    if fused_graph is None:
+        fused_graph = FUSED_GRAPH and torch.compiler.is_compiling()
+    if corpus is not None and fused_graph:
         c = corpus.shape[0]
         n = max(width + 1, c)
         ring = corpus[(torch.arange(c, device=dev) + corpus_start) % c]  # [c] oldest slot first (ages 0 .. c - 1)
         text = torch.cat([F.pad(own, (0, n - width - 1), value=SEP),
                           F.pad(ring, (0, n - c), value=SEP)[None, :].expand(bs, n)])  # [2 * bs, n]
         t, v, s = _source_chains(text, torch.arange(n, device=dev)[None, :], torch.cat([query, query]), limits,
-                                 num_steps, min_prob, max_occurrences)
+                                 num_steps, min_prob, max_occurrences, reduce_counts=True)
         tokens, valid, score = (torch.cat([a[:bs].flip(1), a[bs:].flip(1)], dim=1) for a in (t, v, s))
         return _best_chain(tokens, valid, score)
-    tokens, valid, score = _source_chains(own, cols[None, :], query, limits, num_steps, min_prob, max_occurrences)
+    tokens, valid, score = _source_chains(own, cols[None, :], query, limits, num_steps, min_prob, max_occurrences,
+                                          fused_graph)
     if corpus is not None:
         c = corpus.shape[0]
         age = (torch.arange(c, device=dev) - corpus_start) % c  # [c] slots in insertion order
