@@ -22,6 +22,8 @@ verification accepted (:mod:`suffix_width`), and each width's measured cost; eve
 Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
 (:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
 (:class:`SuffixCorpus`, ``suffix_cache_tokens`` slots), which the v2 worker feeds as it applies their last iteration.
+Run eagerly on the CPU, where the host knows every token when no iteration is pending, v2 takes v1's chains from the
+host's trees instead (:meth:`SuffixDrafter.host_chains`: a fraction of the tensor form's cost there).
 """
 
 from __future__ import annotations
