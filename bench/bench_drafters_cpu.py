@@ -9,7 +9,7 @@ to plain decoding.
     .venv/bin/python bench/bench_drafters_cpu.py --batch 32 --copies 4 --prompts bench/prompts/open.jsonl
     .venv/bin/python bench/bench_drafters_cpu.py --batch 64 --copies 8 --kv-tokens 65536   # 5 engines fit in 24 GB
     .venv/bin/python bench/bench_drafters_cpu.py --prompts bench/prompts/shared.jsonl --drafters ngram suffix
-    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix_chain suffix_v2  # chains in v1 and v2
+    .venv/bin/python bench/bench_drafters_cpu.py --batch 8 --drafters ngram suffix_chain suffix_v2  # v2 (device)
     .venv/bin/python bench/bench_drafters_cpu.py --compile eager --limit 4 --max-tokens 64 \
         --drafters none layer_skip layer_skip_search layer_skip_search_spread      # self-speculation
 

@@ -3,8 +3,8 @@
 (``DraftLengthController.choose`` + ``record``) per iteration, and ``speculative=suffix``'s drafting
 (``SuffixDrafter.batch_drafts`` with conf/speculative/suffix.yaml's knobs, on synthetic text: phrases drawn from a
 fixed set, some tokens at random; 300-token prompts, 3 tokens a request accepted per iteration), and its v2 chains
-drafted eagerly, as tensors (``suffix_chain_device`` over a full corpus ring) and from the host's trees
-(``SuffixDrafter.host_chains`` over a full global tree, what the CPU runs), at each ``--batch`` size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
+drafted eagerly (``suffix_chain_device`` over a full corpus ring, as the CPU runs speculation v2), at each
+``--batch`` size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
 
 The scheduler is timed inside a real engine (``model=tiny_llama compile=eager`` unless overridden after ``--``)
 generating ``--tokens`` tokens for each of ``batch`` requests (the second of two runs, so the timed one starts warm);
@@ -129,27 +129,6 @@ def chain_us(batch: int, iterations: int) -> float:
     return 1e6 * spent / iterations
 
 
-def host_chain_us(batch: int, iterations: int) -> float:
-    """Microseconds per ``SuffixDrafter.host_chains`` call (v2's chains drafted from the host's suffix trees, as the
-    CPU runs them since the host knows every token) on :func:`chain_us`'s requests and corpus (the global tree),
-    each request growing by 3 tokens an iteration."""
-    rng = np.random.default_rng(0)
-    text, knobs = synthetic_text(rng), suffix_knobs()
-    drafter = SuffixDrafter(SimpleNamespace(device="cpu"), SimpleNamespace(**{**knobs, "topk": 1}))
-    while drafter._cached_tokens < knobs["suffix_cache_tokens"] - 600:
-        drafter.remember(text(300))
-    reqs = [Request(rid=i, prompt_ids=text(400), params=SamplingParams(), seed=0, max_new_tokens=1 << 20)
-            for i in range(batch)]
-    spent = 0.0
-    for i in range(iterations + 1):
-        t0 = time.perf_counter()
-        drafter.host_chains(reqs, batch)
-        spent += (time.perf_counter() - t0) if i else 0.0  # the first call builds the requests' trees
-        for req in reqs:
-            req.output_ids += text(3)
-    return 1e6 * spent / iterations
-
-
 def suffix_us(batch: int, iterations: int) -> float:
     """Microseconds per ``SuffixDrafter.batch_drafts`` call (its trees' upkeep and the drafts) at ``batch``
     requests, each growing by 3 tokens an iteration."""
@@ -178,16 +157,14 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the scheduler's engine")
     args = ap.parse_args()
     print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}  {'suffix us':>9}"
-          f"  {'chain us':>9}  {'host chain us':>13}")
+          f"  {'chain us':>9}")
     for batch in args.batch:
         sched = statistics.median(schedule_us(batch, args.tokens, args.overrides) for _ in range(args.runs))
         ctl = [controller_us(batch, args.iterations) for _ in range(args.runs)]
         choose, record = (statistics.median(c[i] for c in ctl) for i in (0, 1))
         suffix = statistics.median(suffix_us(batch, 300) for _ in range(args.runs))
         chain = statistics.median(chain_us(batch, 20) for _ in range(args.runs))
-        host_chain = statistics.median(host_chain_us(batch, 100) for _ in range(args.runs))
-        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}  {chain:>9.1f}"
-              f"  {host_chain:>13.1f}")
+        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}  {chain:>9.1f}")
 
 
 if __name__ == "__main__":

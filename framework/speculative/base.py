@@ -139,12 +139,6 @@ class Drafter:
         width]`` (``lens`` ``[bs]`` known), as tensor operations that a CUDA graph can hold (v2)."""
         raise NotImplementedError
 
-    def host_chains(self, reqs: list, num_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """v2 run eagerly on the CPU, where the host holds every token of ``reqs`` (no iteration pending): the chains
-        :meth:`propose_device` would draft, ``[num_rows, num_steps]`` drafts and validity (rows past the requests:
-        none), from the drafter's own host structures where those cost less than the tensor form; None: use it."""
-        return None
-
     def on_accept(self, ctx: SpecContext, tree: DraftTree, accept_index: list[list[int]],
                   hidden: torch.Tensor, new_roots: list[int]) -> None:
         """After verification: ``accept_index[b]`` = accepted path nodes (root first), ``hidden`` the target's

@@ -22,8 +22,6 @@ verification accepted (:mod:`suffix_width`), and each width's measured cost; eve
 Chains (``topk=1``) also run in speculation v2 (``speculative.version=v2``): the same chain computed on the device
 (:func:`suffix_chain_device`) from each request's token history and a ring of finished requests' tokens
 (:class:`SuffixCorpus`, ``suffix_cache_tokens`` slots), which the v2 worker feeds as it applies their last iteration.
-Run eagerly on the CPU, where the host knows every token when no iteration is pending, v2 takes v1's chains from the
-host's trees instead (:meth:`SuffixDrafter.host_chains`: a fraction of the tensor form's cost there).
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-import numpy as np
 import torch
 
 from framework.config import SpeculativeConfig
@@ -130,21 +127,6 @@ class SuffixDrafter(Drafter):
             (corpus.tokens, corpus.start) if torch.compiler.is_compiling() else corpus.window()
         return suffix_chain_device(history, lens, ring[0] if ring else None, ring[1] if ring else None,
                                    self._limits, self.cfg.num_steps, self.cfg.min_token_prob)
-
-    def host_chains(self, reqs: list[Request], num_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """v2 eagerly on the CPU: v1's chains from the host's suffix trees (the request's own, kept up to date with
-        its tokens, and the global tree of finished requests), which cost there a fraction of the tensor form's scan
-        of the histories and the corpus ring (bench/step_host_cost.py)."""
-        if self.cfg.topk > 1:
-            return None
-        self._retire_finished()
-        drafts = np.zeros((num_rows, self.cfg.num_steps), dtype=np.int64)  # [num_rows, num_steps]
-        valid = np.zeros((num_rows, self.cfg.num_steps), dtype=bool)
-        for i, req in enumerate(reqs):
-            chain = [token for token, _, _ in self._drafts(req, None)[0]]
-            drafts[i, :len(chain)] = chain
-            valid[i, :len(chain)] = True
-        return torch.from_numpy(drafts), torch.from_numpy(valid)
 
     def on_finished(self, reqs: list[Request]) -> None:
         """v2: requests whose last iteration was applied join the corpus (as :meth:`_retire_finished`, v1)."""

@@ -81,7 +81,6 @@ class SpecV2Worker:
         self._sampling = DeviceSamplingParams(self.device)  # padded; the steps are computed on the device
         self._logits_index: dict[tuple[int, int], torch.Tensor] = {}
         self._eager_width: Optional[int] = None  # eager drafting: the history columns that can hold tokens
-        self._host_drafted: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # Drafter.host_chains, the next prepare
         engine.runner.backend.expect_q_lens([1, *self.widths])  # (before anything that reads them compiles)
         self.graphs = engine.runner.compiled and self.device.type == "cuda"
         drafter.use_v2()
@@ -101,8 +100,7 @@ class SpecV2Worker:
         root = self.history.tokens[rows[:, None], (lens - 1)[:, None]]  # [bs, 1]
         if self.drafter.drafts_on_device and (q > 1 or self.shadow is not None):  # (q == 1: a plain step)
             history = self.history.tokens[rows, : self._eager_width]  # [bs, width] (eager: the filled part)
-            drafts, valid = self._host_drafted or self.drafter.propose_device(history, lens)  # [bs, num_steps]
-            self._host_drafted = None
+            drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
             if self.shadow is not None:
                 self.shadow.update(rows, self.history.tokens, lens, drafts, valid)
             drafts, valid = drafts[:, : q - 1], valid[:, : q - 1]  # [bs, q - 1]: the first q - 1 of the chain
@@ -234,9 +232,6 @@ class SpecV2Worker:
         else:
             if not self.graphs:  # eager drafting scans the histories' filled part (64-token steps), not the table
                 self._eager_width = min(-(-(max(bounds) + 1) // 64) * 64, self.history.tokens.shape[1])
-                if self.device.type == "cpu" and step.reqs and not any(r.spec_inflight for r in step.reqs) and \
-                        self.drafter.drafts_on_device and (q > 1 or self.shadow is not None):
-                    self._host_drafted = self.drafter.host_chains(step.reqs, rows.shape[0])
             tokens, valid, positions, slots, seq_lens, committed, steps = self._prepare_fn[q](rows)
             if not self.drafter.drafts_on_device:  # a model drafter: its draft forwards, replayed from their graphs
                 ctx = SpecContext(reqs=step.reqs, kv_lens=[b - q for b in bounds], slots=slots, roots=tokens[:, 0],
