@@ -3,8 +3,8 @@
 (``DraftLengthController.choose`` + ``record``) per iteration, and ``speculative=suffix``'s drafting
 (``SuffixDrafter.batch_drafts`` with conf/speculative/suffix.yaml's knobs, on synthetic text: phrases drawn from a
 fixed set, some tokens at random; 300-token prompts, 3 tokens a request accepted per iteration), and its v2 chains
-drafted eagerly (``suffix_chain_device`` over a full corpus ring, as the CPU runs speculation v2), at each
-``--batch`` size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
+drafted eagerly (``suffix_chain_device`` over a full corpus ring, as the CPU runs speculation v2; and in the form
+that ``suffix_device.FUSED_GRAPH`` gives compiled graphs, run eagerly), at each ``--batch`` size. Where the host limits a small model's step (SmolLM2 on a GPU), these microseconds are on the critical path.
 
 The scheduler is timed inside a real engine (``model=tiny_llama compile=eager`` unless overridden after ``--``)
 generating ``--tokens`` tokens for each of ``batch`` requests (the second of two runs, so the timed one starts warm);
@@ -108,9 +108,10 @@ def suffix_knobs() -> dict:
     return {k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name", "version")}
 
 
-def chain_us(batch: int, iterations: int) -> float:
+def chain_us(batch: int, iterations: int, fused: bool = False) -> float:
     """Microseconds per eager ``suffix_chain_device`` call (speculation v2's suffix chains drafted on the CPU) at
-    ``batch`` requests of 400 known tokens, over a full corpus ring (``suffix_cache_tokens`` slots)."""
+    ``batch`` requests of 400 known tokens, over a full corpus ring (``suffix_cache_tokens`` slots). ``fused``: in
+    the form compiled graphs take with ``suffix_device.FUSED_GRAPH`` (the same drafts), run eagerly."""
     rng = np.random.default_rng(0)
     text, knobs = synthetic_text(rng), suffix_knobs()
     corpus = SuffixCorpus(knobs["suffix_cache_tokens"], torch.device("cpu"))
@@ -124,7 +125,8 @@ def chain_us(batch: int, iterations: int) -> float:
     spent = 0.0
     for i in range(iterations + 1):
         t0 = time.perf_counter()
-        suffix_chain_device(history, lens, ring, start, limits, knobs["num_steps"], knobs["min_token_prob"])
+        suffix_chain_device(history, lens, ring, start, limits, knobs["num_steps"], knobs["min_token_prob"],
+                            fused_graph=fused)
         spent += (time.perf_counter() - t0) if i else 0.0  # the first call warms up
     return 1e6 * spent / iterations
 
@@ -157,14 +159,16 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the scheduler's engine")
     args = ap.parse_args()
     print(f"{'batch':>5}  {'schedule us/step':>16}  {'choose us':>9}  {'record us':>9}  {'suffix us':>9}"
-          f"  {'chain us':>9}")
+          f"  {'chain us':>9}  {'fused form us':>13}")
     for batch in args.batch:
         sched = statistics.median(schedule_us(batch, args.tokens, args.overrides) for _ in range(args.runs))
         ctl = [controller_us(batch, args.iterations) for _ in range(args.runs)]
         choose, record = (statistics.median(c[i] for c in ctl) for i in (0, 1))
         suffix = statistics.median(suffix_us(batch, 300) for _ in range(args.runs))
         chain = statistics.median(chain_us(batch, 20) for _ in range(args.runs))
-        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}  {chain:>9.1f}")
+        fused = statistics.median(chain_us(batch, 20, fused=True) for _ in range(args.runs))
+        print(f"{batch:>5}  {sched:>16.1f}  {choose:>9.1f}  {record:>9.1f}  {suffix:>9.1f}  {chain:>9.1f}"
+              f"  {fused:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ MAX_OCCURRENCES = 64  # occurrences per source whose continuations are counted
 # and the corpus ring (rotated to start at its oldest slot), as one batch of 2 x bs rows padded with separators to the
 # longer one, and each step's counts as a reduction rather than a batched matmul. Compiled by inductor on the CPU: 7
 # launches against 41 (probe/suffix-launches). The same drafts (tests/test_suffix_v2.py); off until timed on a GPU.
-# Eagerly the two sources and the matmul stay (on the CPU the reduction costs 2.4x the matmul at batch 64).
+# Eagerly the two sources and the matmul stay: on the CPU this form costs 3.7x / 8.5x at batch 8 / 64 (its padded rows
+# and [rows, Lm, m, m] reduction are work that a GPU spreads; bench/step_host_cost.py, "fused form us").
 FUSED_GRAPH = False
 
 
