@@ -11,7 +11,7 @@ import pytest
 
 from framework import LLM
 from framework.errors import ConfigError
-from framework.speculative.adaptive import DraftLengthController
+from framework.speculative.adaptive import REFRESH, DraftLengthController
 from tests.conftest import TINY
 from tests.test_speculative_lossless import items
 
@@ -210,3 +210,25 @@ def test_shadow_acceptance_bounds_a_deep_verify_by_the_slope_of_two_verifies():
     agree = [1.0] * 5 + [0.8] * 5  # per request an iteration: positions 0-4 compared, 0.8 of each agreed
     chosen = feed_shadow(ctl, 64, agree, cost, rounds=120)
     assert max(chosen) <= 3, chosen
+
+
+def test_the_choice_stands_for_refresh_iterations_and_follows_a_new_batch_at_once(monkeypatch):
+    """The goodput model runs once every ``REFRESH`` iterations of the same batch (its Python costs the host more than
+    a small model's iteration leaves to spare), at once for other rows or a forgotten row, and a change in the
+    acceptance moves the choice within ``REFRESH`` iterations."""
+    ctl = DraftLengthController(max_depth=4, explore_every=0, shadow=True)
+    cost = lambda k: 1.0 + 0.1 * k  # noqa: E731
+    feed_shadow(ctl, 8, [1] * 8, cost, rounds=40, rows=range(8))  # every draft agrees: the deepest
+    runs = []
+    real = ctl.expected_tokens_by_depth
+    monkeypatch.setattr(ctl, "expected_tokens_by_depth", lambda rows=None: runs.append(rows) or real(rows))
+    chosen = feed_shadow(ctl, 8, [1] * 8, cost, rounds=8 * REFRESH, rows=range(8))
+    assert set(chosen) == {4} and len(runs) == 8
+    ctl.choose(8, range(1, 9))  # other requests
+    ctl.forget([3])
+    ctl.choose(8, range(1, 9))
+    assert len(runs) == 10
+    # the rows stop agreeing: the choice falls as their counts decay (per draft they start), never standing still
+    # longer than REFRESH iterations of a changing estimate
+    chosen = feed_shadow(ctl, 8, [1, 0, 0, 0, 0, 0, 0, 0], cost, rounds=6 * REFRESH, rows=range(1, 9))
+    assert chosen == sorted(chosen, reverse=True) and chosen[-1] <= 1, chosen

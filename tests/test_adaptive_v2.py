@@ -222,7 +222,8 @@ def test_each_width_compiles_apart_with_its_width_a_constant():
 def test_host_clock_costs_the_longer_of_gpu_and_host_time():
     """The host's own time per iteration is launch to next launch less the time blocked on results; a stretch with a
     prefill step in it, or the first one, counts nothing, and an iteration without a host time of its own takes the
-    latest measured."""
+    latest measured. A depth costs the longer of its GPU time and the batch size's host time averaged over every
+    depth: host-bound, the depth that emits the most wins, whatever the noise in each iteration's host time."""
     clock = HostClock()
     assert clock.launch(0.0) is None  # nothing launched before
     clock.waited(0.3)
@@ -230,6 +231,13 @@ def test_host_clock_costs_the_longer_of_gpu_and_host_time():
     clock.dirty()  # a prefill step between two iterations
     assert clock.launch(2.0) is None
     assert clock.launch(2.5) == pytest.approx(0.5)
-    assert clock.cost(0.2, None) == pytest.approx(0.5)  # host-bound: the latest host time
-    assert clock.cost(0.9, 0.5) == pytest.approx(0.9)  # device-bound: the GPU time
-    assert HostClock().cost(0.2, None) == pytest.approx(0.2)  # no host time yet
+    assert clock.host_time(None) == pytest.approx(0.5) and clock.host_time(0.4) == 0.4
+    assert HostClock().host_time(None) is None  # no host time yet
+    ctl = DraftLengthController(max_depth=4, explore_every=0, shadow=True, cost_alpha=0.5)
+    for k, gpu, host in ((0, 0.3, 0.9), (1, 0.4, 1.1), (3, 0.6, 0.8), (4, 0.7, 1.0), (4, 1.2, 1.0)):
+        ctl.record(8, k, [1] * 8, gpu, shadow=[[1] * 4 + [1] * 4] * 8, rows=range(8), host_s=host)
+    assert ctl.host_cost(8) == pytest.approx(0.975) and ctl.host_cost(16) == ctl.host_cost(8)
+    costs = ctl.costs(8)
+    assert costs[0] == costs[1] == costs[3] == pytest.approx(0.975)  # host-bound: one cost
+    assert costs[4] == pytest.approx(1.2)  # device-bound: its GPU time
+    assert DraftLengthController(max_depth=1).host_cost(8) is None  # the CPU: no host time, wall time is the cost

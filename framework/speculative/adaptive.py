@@ -20,8 +20,11 @@ one). A batch's mix changes as requests finish: the last requests of a batch can
 ones copied whole drafts, and a shared estimate, which weighs every request of the busy start, would keep drafting
 deep for them.
 
-The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth).
-The controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``.
+The cost ``T(bs, k)`` is the measured time of such iterations (an exponential average per batch size and depth):
+on CUDA the longer of their GPU time and the host's own time per iteration at that batch size (averaged over every
+depth: the host's work does not depend on the depth, so where it bounds the loop the deeper drafts cost nothing more).
+The controller takes the ``k`` with the most tokens per second, ``E(k) / T(bs, k)``, recomputed every ``REFRESH``
+iterations of the same batch (sooner where a new depth or batch size was measured or an exploration is due).
 
 Costs not measured: at a batch size with two or more depths measured, interpolated between the measured depths
 around ``k``, or extrapolated linearly from the deepest two (never falling with depth). Else each depth takes the
@@ -69,6 +72,11 @@ PROMISE = 1.15
 # requests finish, a batch of 64 passes through dozens of sizes, and a plain step at each would anchor costs that a
 # neighbouring size's serve as well)
 NEAR_BATCH = 1.25
+# the model's choice for a batch (its size and rows) is recomputed every this many iterations, and at once where a
+# depth's cost was measured for the first or second time at a batch size, a row was forgotten or an exploration is
+# due; in between the choice stands (a choice and a record cost the host about 0.1 ms an iteration in Python, which
+# at batch 8 on an H200 made the adaptive engine 17% slower than the fixed depth it chose every iteration)
+REFRESH = 8
 
 
 class DraftLengthController:
@@ -100,6 +108,9 @@ class DraftLengthController:
         self.iterations = 0
         self.explorations = 0
         self._best: int | None = None  # the model's last choice
+        self._host: dict[int, float] = {}  # bs -> the host's own seconds per iteration (all depths; CUDA)
+        self._cached: Optional[tuple[tuple, int, int]] = None  # ((bs, rows), iteration, choice) while it stands
+        self._stale = True  # something that can move the choice much changed since it was computed
         self._gap = explore_every  # iterations between explorations: doubles while the choice holds
         self._next_explore = explore_every
 
@@ -145,6 +156,12 @@ class DraftLengthController:
         ``tokens``: E(k) from the drafter's own estimate (with ``shadow``: suffix trees' verify widths, whose levels
         ``k`` stand for depths here) instead of the measured acceptance."""
         self.iterations += 1
+        key, cached = (bs, None if rows is None else tuple(rows)), self._cached
+        if tokens is None and cached is not None and not self._stale and cached[0] == key and \
+                self.iterations - cached[1] < REFRESH and \
+                (self.explore_every <= 0 or self.iterations < self._next_explore):
+            return cached[2]
+        self._cached = None
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
@@ -154,6 +171,7 @@ class DraftLengthController:
         costs = self.costs(bs)
         tokens = self.expected_tokens_by_depth(rows) if tokens is None else list(tokens)
         best = max(range(self.max_depth + 1), key=lambda k: tokens[k] / costs[k])
+        self._cached, self._stale = (key, self.iterations, best), False
         if self.explore_every <= 0:
             return best
         rate = tokens[best] / costs[best]
@@ -200,6 +218,8 @@ class DraftLengthController:
             bounds.append(below[verifies[-1]] + max(0.0, slope) * (k - verifies[-1]))
         if (measured := self.measured_cost(bs, k)) is not None:
             bounds.append(COLD_SLACK * measured)
+        if bounds and (host := self.host_cost(bs)) is not None:
+            bounds.append(host)
         return not bounds or tokens / max(bounds) > rate
 
     def measured_cost(self, bs: int, k: int) -> float | None:
@@ -243,7 +263,15 @@ class DraftLengthController:
             else:
                 lo, hi = below[-1], min(above)
                 out.append(known[lo] if lo == hi else known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo))
-        return out
+        host = self.host_cost(bs)
+        return out if host is None else [c if c is None else max(c, host) for c in out]
+
+    def host_cost(self, bs: int) -> float | None:
+        """The host's own seconds per iteration of ``bs`` requests (at the nearest batch size measured; None: none
+        measured, as on the CPU, where an iteration's measured cost is its wall time)."""
+        if not self._host:
+            return None
+        return self._host[bs] if bs in self._host else self._host[min(self._host, key=lambda b: abs(b - bs))]
 
     def estimated_cost(self, bs: int, k: int) -> float | None:
         """T(bs, k) as :meth:`costs` gives it."""
@@ -253,16 +281,25 @@ class DraftLengthController:
         """New requests take these rows: their counts start from nothing."""
         rows = [r for r in rows if r < self._rows.shape[0]]
         self._rows[rows] = 0.0
+        self._stale = True
 
     def record(self, bs: int, k: int, emitted: list[int], seconds: float,
-               shadow: Optional[np.ndarray] = None, rows: Optional[Sequence[int]] = None) -> None:
-        """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds``;
-        ``shadow`` ``[n, 2 * max_depth]``: per request, the unverified drafts whose position ``i`` was compared in
-        the iteration, then those that agreed there; ``rows`` ``[n]``: those requests' rows (their own counts)."""
+               shadow: Optional[np.ndarray] = None, rows: Optional[Sequence[int]] = None,
+               host_s: Optional[float] = None) -> None:
+        """An iteration of ``bs`` requests at depth ``k`` emitted ``emitted[b]`` tokens each in ``seconds`` (on CUDA
+        its GPU time; ``host_s``: the host's own time for it, where measured: a depth costs the longer of its GPU
+        time and the batch size's host time, which does not depend on the depth); ``shadow`` ``[n, 2 * max_depth]``:
+        per request, the unverified drafts whose position ``i`` was compared in the iteration, then those that
+        agreed there; ``rows`` ``[n]``: those requests' rows (their own counts)."""
         samples = self._samples.get((bs, k), 0)
         costs = self._by_bs.setdefault(bs, {})
         # the second sample replaces the first, which may have been a cold one (a new shape's first run)
         costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
+        if samples < 2:
+            self._stale = True
+        if host_s is not None:
+            last = self._host.get(bs)
+            self._host[bs] = host_s if last is None else (1 - self.cost_alpha) * last + self.cost_alpha * host_s
         self._samples[(bs, k)] = samples + 1
         self._depth_samples[k] += 1
         if self.shadow:
@@ -292,10 +329,12 @@ class DraftLengthController:
 
 def record_iteration(controller: DraftLengthController, draft_lengths: dict[int, int], bs: int, k: int,
                      emitted: list[int], seconds: float, shadow: Optional[np.ndarray] = None,
-                     rows: Optional[Sequence[int]] = None, reported: Optional[int] = None) -> None:
+                     rows: Optional[Sequence[int]] = None, reported: Optional[int] = None,
+                     host_s: Optional[float] = None) -> None:
     """What an iteration of ``bs`` requests drafted ``k`` deep gave (``emitted[b]`` tokens each, bonus included, in
-    ``seconds``; ``shadow``, ``rows``: :meth:`DraftLengthController.record`'s), for the controller's next choices;
-    ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth, or ``reported``, -> iterations) counts it."""
-    controller.record(bs, k, emitted, seconds, shadow, rows)
+    ``seconds``; ``shadow``, ``rows``, ``host_s``: :meth:`DraftLengthController.record`'s), for the controller's
+    next choices; ``draft_lengths`` (the metrics' ``chosen_draft_lengths``: depth, or ``reported``, -> iterations)
+    counts it."""
+    controller.record(bs, k, emitted, seconds, shadow, rows, host_s)
     key = k if reported is None else reported
     draft_lengths[key] = draft_lengths.get(key, 0) + 1

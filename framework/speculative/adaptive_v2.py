@@ -7,8 +7,9 @@ token). The host's :class:`~framework.speculative.adaptive.DraftLengthController
 :class:`~framework.speculative.worker_v2.SpecV2Worker` launches an iteration, from what it has learnt so far:
 iteration N's accept lengths and cost reach the host while N+1 runs, so the choice lags one iteration behind. The
 cost of an iteration is, on CUDA, the longer of its GPU time (its CUDA events, from drafting to the end of
-acceptance) and the host's own time per iteration (:class:`HostClock`), and its wall time on the CPU (where launching
-it computes it). The KV contract does not change with the width: slots are
+acceptance) and the host's own time per iteration at that batch size (:class:`HostClock`, averaged over every depth:
+it does not depend on the depth, and where it bounds the loop the depth that emits the most tokens wins, not one whose
+noisy host time came out lower), and its wall time on the CPU (where launching it computes it). The KV contract does not change with the width: slots are
 assigned through the largest width, ``num_steps + 1``, so a pending iteration of any width is covered.
 
 The prepare-and-verify program, which holds the model, is a program per width (:func:`width_programs`):
@@ -193,8 +194,9 @@ class HostClock:
 
     An iteration's GPU time alone (its CUDA events) undercounts where the host limits the loop (a small model: the
     host's launch, result handling and scheduling take longer than the device's work), and there a plain step costs
-    the user what a deeper verify does. The cost the controller learns is therefore ``max(GPU time, host time)``,
-    the period of the overlapped loop at that depth. A stretch in which a prefill step was launched (:meth:`dirty`),
+    the user what a deeper verify does. The cost the controller takes is therefore ``max(GPU time, host time)``,
+    the period of the overlapped loop at that depth (the host time averaged per batch size over every depth:
+    :meth:`DraftLengthController.host_cost`). A stretch in which a prefill step was launched (:meth:`dirty`),
     or that began before anything was launched, gives no host time; an iteration without one of its own (the last
     before a prefill; without overlap, the host applies an iteration before it launches the next) takes the latest
     measured."""
@@ -221,7 +223,6 @@ class HostClock:
         """Something other than an iteration was launched (a prefill step): the current stretch is not one."""
         self._clean = False
 
-    def cost(self, gpu_s: float, host_s: Optional[float]) -> float:
-        """An iteration's cost: its GPU time, or its host time (else the latest measured) where that is longer."""
-        host = host_s if host_s is not None else self.latest
-        return gpu_s if host is None else max(gpu_s, host)
+    def host_time(self, host_s: Optional[float]) -> Optional[float]:
+        """An iteration's host time: its own, else the latest measured (None: none yet)."""
+        return host_s if host_s is not None else self.latest

@@ -65,16 +65,14 @@ def apply_result(worker: "SpecV2Worker", launched: SpecLaunched) -> list[Request
             alloc.truncate(req.row, keep)
             worker._assigned[req.row] = min(worker._assigned[req.row], alloc.pages_for(keep) * alloc.page_size)
     bs = len(launched.step.reqs)
-    seconds = account(worker, lens[:bs], launched)
-    if launched.events is not None:  # (on the CPU the launch's wall time is the whole iteration)
-        seconds = worker._clock.cost(seconds, launched.host_s)
+    seconds = account(worker, lens[:bs], launched)  # (CUDA: GPU time; the CPU: the launch's wall time, the whole)
     if worker.adaptive is not None and bs:  # (start-up's iterations have no requests)
         shadow = rows = None
         if worker.shadow is not None:  # the requests still running (another may hold a finished one's row now)
             shadow = worker.shadow.split(host, padded_bs)[live]
             rows = [launched.step.reqs[b].row for b in live]
         record_iteration(worker.adaptive, worker.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds,
-                         shadow, rows)
+                         shadow, rows, host_s=worker._clock.host_time(launched.host_s) if launched.events else None)
     worker.drafter.on_finished(finished)
     return finished
 
