@@ -58,6 +58,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from framework.speculative.adaptive_costs import IterationCosts
+
 # with shadow acceptance: a depth measured once is taken to cost at least this share of its measurement (a cold run
 # may be slower), and a neighbour of the choice is explored only if its estimated rate is at least this share of the
 # choice's (on open-ended prompts, where a draft is accepted one time in a hundred, the CPU lost 4-6% to plain
@@ -74,8 +76,8 @@ PROMISE = 1.15
 NEAR_BATCH = 1.25
 # the model's choice for a batch (its size and rows) is recomputed every this many iterations, and at once where a
 # depth's cost was measured for the first or second time at a batch size, a row was forgotten or an exploration is
-# due; in between the choice stands (a choice and a record cost the host about 0.1 ms an iteration in Python, which
-# at batch 8 on an H200 made the adaptive engine 17% slower than the fixed depth it chose every iteration)
+# due; in between the choice stands (a choice cost 32 us of Python at batch 8 on the CPU machine, 6 us with this:
+# bench/step_host_cost.py; where the host bounds a small model's loop, that is on the critical path)
 REFRESH = 8
 
 
@@ -90,7 +92,6 @@ class DraftLengthController:
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
         self.decay = decay
-        self.cost_alpha = cost_alpha
         self.seen = [0.0] * (max_depth + 1)  # [d]: requests verified with drafts d deep (decayed)
         self.hits = [0.0] * (max_depth + 1)  # [d]: those that accepted at least d draft tokens
         self.shadow_reached = np.zeros(max_depth)  # [i]: unverified drafts whose position i was compared (decayed)
@@ -102,13 +103,10 @@ class DraftLengthController:
         # decayed by request_decay per draft it starts; prior: how many positions the shared estimate weighs as
         self.request_decay, self.prior = request_decay, prior
         self._rows = np.zeros((0, 2 * max_depth))
-        self._by_bs: dict[int, dict[int, float]] = {}  # bs -> {k: seconds per iteration}
-        self._samples: dict[tuple[int, int], int] = {}  # (bs, k) -> iterations measured
-        self._depth_samples = [0] * (max_depth + 1)  # [k]: iterations measured at depth k, all batch sizes
+        self._costs = IterationCosts(max_depth, cost_alpha)
         self.iterations = 0
         self.explorations = 0
         self._best: int | None = None  # the model's last choice
-        self._host: dict[int, float] = {}  # bs -> the host's own seconds per iteration (all depths; CUDA)
         self._cached: Optional[tuple[tuple, int, int]] = None  # ((bs, rows), iteration, choice) while it stands
         self._stale = True  # something that can move the choice much changed since it was computed
         self._gap = explore_every  # iterations between explorations: doubles while the choice holds
@@ -117,7 +115,7 @@ class DraftLengthController:
     @property
     def cost(self) -> dict[tuple[int, int], float]:
         """(bs, k) -> the measured seconds per iteration."""
-        return {(b, k): c for b, costs in self._by_bs.items() for k, c in costs.items()}
+        return self._costs.cost
 
     def expected_tokens(self, k: int, rows: Optional[Sequence[int]] = None) -> float:
         """E(k): tokens a request emits per iteration at depth ``k`` (:meth:`expected_tokens_by_depth`)."""
@@ -165,8 +163,7 @@ class DraftLengthController:
         for k in (0, 1) if self.shadow else (self.max_depth, 0):  # (the first probes: the module's docstring)
             if self.measured_cost(bs, k) is None:
                 return k
-        if self.shadow and 0 not in self._by_bs.get(bs, {}) and \
-                not any(0 in c and max(b, bs) <= NEAR_BATCH * min(b, bs) for b, c in self._by_bs.items()):
+        if self.shadow and not self._costs.plain_near(bs, NEAR_BATCH):
             return 0
         costs = self.costs(bs)
         tokens = self.expected_tokens_by_depth(rows) if tokens is None else list(tokens)
@@ -175,7 +172,7 @@ class DraftLengthController:
         if self.explore_every <= 0:
             return best
         rate = tokens[best] / costs[best]
-        sampled = self._depth_samples
+        sampled = self._costs.depth_samples
         if self.shadow:  # a depth barely measured that would pay clearly even at its cost's lower bound: try it now
             promising = [k for k in range(self.max_depth + 1)
                          if k != best and sampled[k] < 2 and self._could_pay(bs, k, tokens[k], PROMISE * rate)]
@@ -223,55 +220,16 @@ class DraftLengthController:
         return not bounds or tokens / max(bounds) > rate
 
     def measured_cost(self, bs: int, k: int) -> float | None:
-        """T(bs, k) measured at this batch size (where nothing was: at the nearest batch size measured); else the
-        nearest batch size's T(b, k), scaled by T(bs, d) / T(b, d) at a depth ``d`` measured at both (the nearest to
-        ``k``: the ratio of two depths' costs changes slowly with the batch size, the costs themselves do not), or
-        unscaled where there is none. None: depth ``k`` never measured."""
-        if not self._by_bs:
-            return None
-        if bs not in self._by_bs:
-            bs = min(self._by_bs, key=lambda b: abs(b - bs))
-        here = self._by_bs[bs]
-        if k in here:
-            return here[k]
-        others = sorted((b for b, costs in self._by_bs.items() if k in costs), key=lambda b: abs(b - bs))
-        for b in others:
-            common = [d for d in here if d in self._by_bs[b]]
-            if common:
-                d = min(common, key=lambda d: abs(d - k))
-                return self._by_bs[b][k] * here[d] / self._by_bs[b][d]
-        return self._by_bs[others[0]][k] if others else None
+        """T(bs, k) measured (:meth:`IterationCosts.measured`)."""
+        return self._costs.measured(bs, k)
 
     def costs(self, bs: int) -> list[float | None]:
-        """T(bs, k) for every depth. Where two or more depths were measured at ``bs``: those, and between them
-        interpolated linearly in ``k``, past the deepest extrapolated from the deepest two (the slope at least 0),
-        below the shallowest as the shallowest. Else the same over :meth:`measured_cost` (None: nothing measured)."""
-        here = self._by_bs.get(bs, {})
-        known = dict(here) if len(here) >= 2 else \
-            {d: c for d in range(self.max_depth + 1) if (c := self.measured_cost(bs, d)) is not None}
-        out: list[float | None] = []
-        for k in range(self.max_depth + 1):
-            below, above = sorted(d for d in known if d <= k), [d for d in known if d >= k]
-            if not below and not above:
-                out.append(None)
-            elif not below:
-                out.append(known[min(above)])
-            elif not above:
-                hi = below[-1]
-                slope = (known[hi] - known[below[-2]]) / (hi - below[-2]) if len(below) >= 2 else 0.0
-                out.append(known[hi] + max(slope, 0.0) * (k - hi))
-            else:
-                lo, hi = below[-1], min(above)
-                out.append(known[lo] if lo == hi else known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo))
-        host = self.host_cost(bs)
-        return out if host is None else [c if c is None else max(c, host) for c in out]
+        """T(bs, k) for every depth (:meth:`IterationCosts.estimate`)."""
+        return self._costs.estimate(bs)
 
     def host_cost(self, bs: int) -> float | None:
-        """The host's own seconds per iteration of ``bs`` requests (at the nearest batch size measured; None: none
-        measured, as on the CPU, where an iteration's measured cost is its wall time)."""
-        if not self._host:
-            return None
-        return self._host[bs] if bs in self._host else self._host[min(self._host, key=lambda b: abs(b - bs))]
+        """The host's own seconds per iteration of ``bs`` requests (:meth:`IterationCosts.host`)."""
+        return self._costs.host(bs)
 
     def estimated_cost(self, bs: int, k: int) -> float | None:
         """T(bs, k) as :meth:`costs` gives it."""
@@ -291,17 +249,8 @@ class DraftLengthController:
         time and the batch size's host time, which does not depend on the depth); ``shadow`` ``[n, 2 * max_depth]``:
         per request, the unverified drafts whose position ``i`` was compared in the iteration, then those that
         agreed there; ``rows`` ``[n]``: those requests' rows (their own counts)."""
-        samples = self._samples.get((bs, k), 0)
-        costs = self._by_bs.setdefault(bs, {})
-        # the second sample replaces the first, which may have been a cold one (a new shape's first run)
-        costs[k] = seconds if samples < 2 else (1 - self.cost_alpha) * costs[k] + self.cost_alpha * seconds
-        if samples < 2:
+        if self._costs.record(bs, k, seconds, host_s):
             self._stale = True
-        if host_s is not None:
-            last = self._host.get(bs)
-            self._host[bs] = host_s if last is None else (1 - self.cost_alpha) * last + self.cost_alpha * host_s
-        self._samples[(bs, k)] = samples + 1
-        self._depth_samples[k] += 1
         if self.shadow:
             top = self.max_depth
             counts = np.zeros((0, 2 * top)) if shadow is None else np.asarray(shadow, dtype=float).reshape(-1, 2 * top)
