@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from framework import LLM
+from framework.attention import sdpa
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError
 from tests.helpers import run_token_prompts
@@ -202,3 +203,15 @@ def test_interpreted_kernels_token_logits_same_bits() -> None:
 @interpreted_subprocess("-k", "interpreted_kernels_identical or interpreted_kernels_token", timeout=900)
 def test_interpreted_kernels_in_a_subprocess() -> None:
     """This file's interpreted tests, in a ``TRITON_INTERPRET=1`` subprocess (tests/interpreted_runner.py)."""
+
+
+def test_row_by_row_attention_gives_the_same_bits_in_chunks(monkeypatch) -> None:
+    """The CPU's deterministic attention makes its products a few rows at a time where a batch's would be large
+    (``sdpa.ROWWISE_BYTES``): one row a time gives every forward's logits the same bits as one product does."""
+    overrides = ["model=smollm2_135m_random", "model.arch.num_layers=2", "compile=eager", "scheduler.max_context=256",
+                 "scheduler.max_running_requests=8", "model.deterministic=true"]
+    whole = last_token_logits(LLM(overrides).engine)
+    monkeypatch.setattr(sdpa, "ROWWISE_BYTES", 1)
+    rows = last_token_logits(LLM(overrides).engine)
+    assert all(torch.equal(a, b) for a, b in zip(whole, rows))
+    assert all(torch.equal(g, rows[0]) for g in rows[1:])

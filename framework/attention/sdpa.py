@@ -20,6 +20,9 @@ from framework.attention.mla_dense import DenseMLA
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import ConfigError
 
+# the deterministic mode's row-by-row attention (SdpaBackend._rowwise): bytes of products made at a time
+ROWWISE_BYTES = 64 << 20
+
 
 @dataclass
 class SdpaMetadata:
@@ -154,14 +157,22 @@ class SdpaBackend(DenseMLA, AttentionBackend):
 
     def _rowwise(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q ``[bs, kv_heads, rows, dim]``, k / v ``[bs, kv_heads, width, dim]``, mask ``[bs, 1, rows, width]`` ->
-        ``[bs, kv_heads, rows, dim]``, each row as a one-query problem (rows become heads; K/V broadcast to them
-        without a copy): CPU sdpa blocks its products by the query length, so a verify's rows would otherwise
-        reduce differently from a decode's."""
+        ``[bs, kv_heads, rows, dim]``, every row's sums of one shape whatever the batch, the mode or the row: its
+        scores and its weighted values as elementwise products summed over a contiguous last dimension (float32),
+        not a BLAS product. CPU GEMMs block their products by the row count and batch count, and CPU sdpa splits a
+        one-query problem's keys across threads by the number of problems, so a verify's or a prefill's rows
+        would otherwise reduce differently from a decode's. The products are made for ``ROWWISE_BYTES`` of rows at
+        a time; eager only (the CPU's deterministic mode, ``compile=eager``), and slower than sdpa (the table's
+        whole width for every row)."""
         bs, kv_heads, rows, dim = q.shape
         width = k.shape[2]
-        q4 = q.reshape(bs * kv_heads, rows, 1, dim)
-        k4 = k.reshape(bs * kv_heads, 1, width, dim).expand(-1, rows, -1, -1)
-        v4 = v.reshape(bs * kv_heads, 1, width, dim).expand(-1, rows, -1, -1)
-        m4 = mask.expand(bs, kv_heads, rows, width).reshape(bs * kv_heads, rows, 1, width)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=self.scale)
-        return out.view(bs, kv_heads, rows, dim)
+        kf = k.float()[:, :, None]  # [bs, kv_heads, 1, width, dim]
+        vt = v.float().transpose(-1, -2).contiguous()[:, :, None]  # [bs, kv_heads, 1, dim, width]
+        qf = q.float()[:, :, :, None, :]  # [bs, kv_heads, rows, 1, dim]
+        chunk = max(1, ROWWISE_BYTES // max(1, bs * kv_heads * width * dim * 4))
+        outs = []
+        for r0 in range(0, rows, chunk):
+            scores = (qf[:, :, r0:r0 + chunk] * kf).sum(-1) * self.scale  # [bs, kv_heads, n, width]
+            p = scores.masked_fill(~mask[:, :, r0:r0 + chunk], float("-inf")).softmax(-1)
+            outs.append((p[:, :, :, None, :] * vt).sum(-1))  # [bs, kv_heads, n, dim]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).to(q.dtype)
