@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,6 +110,10 @@ def test_shadow_drafts_are_compared_position_by_position_as_the_tokens_arrive():
     assert sh.per_row(rows[:2]).tolist() == [0, 0, 1, 0, 0, 0] + [0] * 6  # row 1's third position, this update
     sh.reset([1])
     assert sh.at.tolist() == [-1, -1, 6, -1]
+    sh.drop(torch.tensor([2, DUMMY_ROW]))  # an iteration of the deepest drafts: nothing pending any more
+    assert sh.at.tolist() == [-1, -1, -1, -1]
+    # verified chains that accepted 0, 2 and all 3 drafts: positions reached, then agreed
+    assert ShadowAcceptance.verified([0, 2, 3], 3).tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1] * 6]
 
 
 def test_plain_steps_measure_acceptance_from_unverified_drafts():
@@ -148,6 +153,42 @@ def test_largest_width_samples_as_the_fixed_depth_worker():
     llm = forced(LLM(TINY + ADAPTIVE + common), 4)
     assert [o.token_ids for o in llm.generate(SAMPLED)] == fixed
     assert llm.engine.spec_worker.stats.summary()["chosen_draft_lengths"].keys() == {"4"}
+
+
+def spy_shadow(llm: LLM) -> list[np.ndarray]:
+    """The per-request shadow counts each iteration hands the controller, as they arrive."""
+    worker, seen = llm.engine.spec_worker, []
+    real = worker.adaptive.record
+
+    def record(bs, k, emitted, seconds, shadow=None, rows=None, host_s=None):
+        seen.append(np.asarray(shadow).copy())
+        real(bs, k, emitted, seconds, shadow, rows, host_s)
+
+    worker.adaptive.record = record
+    return seen
+
+
+def test_the_deepest_drafts_count_their_verified_chains_and_compare_nothing():
+    """k = num_steps every iteration: each verify's outcome is that of the chain a shadow draft would take there, so
+    the iteration's program compares no shadow draft (the device's counts stay zero) and the controller learns every
+    position from the accept lengths: every verified chain reaches position 0 once, reaches position i + 1 where it
+    agreed at i, and the totals are those of shadow drafts compared in plain steps over the same requests, but for
+    each request's last chain (verified past its end) and the start after a whole chain agreed (a verify's next chain
+    starts after its bonus token)."""
+    deep = forced(LLM(TINY + ADAPTIVE + ["scheduler.max_running_requests=8"]), 4)
+    seen = spy_shadow(deep)
+    deep.generate(items())
+    worker = deep.engine.spec_worker
+    assert worker.shadow.counts.tolist() == [0] * 8
+    counts = np.concatenate(seen)  # [request iterations, 2 * depth]
+    reached, agreed = counts[:, :4].sum(axis=0), counts[:, 4:].sum(axis=0)
+    assert reached[0] == len(counts) and (reached[1:] == agreed[:-1]).all() and agreed[0] > 0
+    assert worker.adaptive.expected_tokens(4) > 1.0
+    plain = forced(LLM(TINY + ADAPTIVE + ["scheduler.max_running_requests=8"]), 0)
+    plain_seen = spy_shadow(plain)
+    plain.generate(items())
+    shadow = np.concatenate(plain_seen).sum(axis=0)
+    assert np.abs(np.concatenate([reached, agreed]) - shadow).max() <= len(items())
 
 
 class CycleDepths(DraftLengthController):

@@ -136,9 +136,12 @@ class ShadowAcceptance:
     those that agreed too. So the chance that position ``i`` is accepted after ``0 .. i - 1`` were is measured
     from every draft that reached it, settled or not (greedy; with sampling, the chance that a sampled token equals
     the drafted one is the chance that rejection sampling accepts a one-token draft), also while the controller
-    decodes plainly, without a verify spent on it. Each iteration's counts per request (``row_counts[row]``, written
+    decodes plainly, without a verify spent on it. An iteration of the deepest drafts verifies the very chain a
+    shadow draft would take there: its accept lengths are that draft's outcome (:meth:`verified`, on the host), and
+    its program only drops the rows' pending drafts (:meth:`drop`) instead of comparing them, so the shadow costs
+    nothing where the controller drafts deepest. Each iteration's counts per request (``row_counts[row]``, written
     in the iteration's graph) reach the host with the iteration's result (:meth:`per_row`); ``counts`` accumulates
-    them over all requests on the device.
+    them over all requests on the device (the compared drafts only: not the verified ones).
     """
 
     def __init__(self, num_rows: int, depth: int, device: torch.device) -> None:
@@ -177,6 +180,19 @@ class ShadowAcceptance:
         self.drafts[rows] = torch.where(fresh[:, None], torch.where(valid, drafts, -1), self.drafts[rows])
         self.at[rows] = torch.where(fresh, lens, at)
         self.upto[rows] = torch.where(fresh, torch.zeros_like(known), known)
+
+    def drop(self, rows: torch.Tensor) -> None:
+        """In an iteration of the deepest drafts (device): rows ``[bs]`` have no pending draft any more (the verify
+        measures the chain drafted now; the next shallower iteration drafts anew)."""
+        self.at[rows] = -1
+
+    @staticmethod
+    def verified(accepted: np.ndarray, depth: int) -> np.ndarray:
+        """Host: the counts ``[n, 2 * depth]`` of chains verified whole, from their accepted drafts ``[n]``: a chain
+        that accepted ``m`` reached positions ``0 .. min(m, depth - 1)`` and agreed at ``0 .. m - 1``."""
+        pos = np.arange(depth)[None, :]  # [1, depth]
+        m = np.asarray(accepted, dtype=np.int64)[:, None]  # [n, 1]
+        return np.concatenate([pos <= m, pos < m], axis=1).astype(np.int64)
 
     def per_row(self, rows: torch.Tensor) -> torch.Tensor:
         """In the iteration's finish (device): what the rows' last update counted, ``[bs * 2 * depth]`` (a row's

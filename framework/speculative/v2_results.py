@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from framework.request import Request
@@ -69,7 +70,10 @@ def apply_result(worker: "SpecV2Worker", launched: SpecLaunched) -> list[Request
     if worker.adaptive is not None and bs:  # (start-up's iterations have no requests)
         shadow = rows = None
         if worker.shadow is not None:  # the requests still running (another may hold a finished one's row now)
-            shadow = worker.shadow.split(host, padded_bs)[live]
+            if launched.q == q:  # the deepest drafts: the verified chains are the shadow's
+                shadow = worker.shadow.verified(np.asarray(lens)[live] - 1, q - 1)
+            else:
+                shadow = worker.shadow.split(host, padded_bs)[live]
             rows = [launched.step.reqs[b].row for b in live]
         record_iteration(worker.adaptive, worker.stats.draft_lengths, bs, launched.q - 1, lens[:bs], seconds,
                          shadow, rows, host_s=worker._clock.host_time(launched.host_s) if launched.events else None)

@@ -101,7 +101,9 @@ class SpecV2Worker:
         if self.drafter.drafts_on_device and (q > 1 or self.shadow is not None):  # (q == 1: a plain step)
             history = self.history.tokens[rows, : self._eager_width]  # [bs, width] (eager: the filled part)
             drafts, valid = self.drafter.propose_device(history, lens)  # [bs, num_steps]
-            if self.shadow is not None:
+            if self.shadow is not None and q == self.q:  # the verify measures this chain (ShadowAcceptance)
+                self.shadow.drop(rows)
+            elif self.shadow is not None:
                 self.shadow.update(rows, self.history.tokens, lens, drafts, valid)
             drafts, valid = drafts[:, : q - 1], valid[:, : q - 1]  # [bs, q - 1]: the first q - 1 of the chain
         else:  # a model drafter fills them in with its own forwards
