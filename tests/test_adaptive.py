@@ -214,8 +214,8 @@ def test_shadow_acceptance_bounds_a_deep_verify_by_the_slope_of_two_verifies():
 
 def test_the_choice_stands_for_refresh_iterations_and_follows_a_new_batch_at_once(monkeypatch):
     """The goodput model runs once every ``REFRESH`` iterations of the same batch (its Python costs the host more than
-    a small model's iteration leaves to spare), at once for other rows or a forgotten row, and a change in the
-    acceptance moves the choice within ``REFRESH`` iterations."""
+    a small model's iteration leaves to spare), at once for other rows or a forgotten row, and acceptance that falls
+    still brings the choice down, step by step, to a depth of 1 or less."""
     ctl = DraftLengthController(max_depth=4, explore_every=0, shadow=True)
     cost = lambda k: 1.0 + 0.1 * k  # noqa: E731
     feed_shadow(ctl, 8, [1] * 8, cost, rounds=40, rows=range(8))  # every draft agrees: the deepest
