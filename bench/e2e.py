@@ -23,7 +23,9 @@ and the engine's ``overlap``, which is what ``scheduler.max_running_requests`` a
 Printed per case: the job's tokens/s, its ms per step (wall time over the forwards the job launched; a speculative
 iteration counts as one; ``--rounds N``: the case N times, the median round reported), the forward's GPU ms and their ratio (1.0 = the host costs nothing on the critical path);
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
-iteration and the iteration's GPU time from CUDA events (speculation v2). ``--kernels N``: after each case, one
+iteration and the iteration's GPU time from CUDA events (speculation v2). Each row's ``gc`` gives the garbage
+collector's collections during the timed run per generation: [count, ms in all, the longest ms] (a full collection
+of a compiled engine's heap stops the host for tens of ms; framework/heap.py). ``--kernels N``: after each case, one
 batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
 the wall time (what is left is the GPU waiting for the host) and the N kernels that took the most. A drafter that remembers finished requests
 (``speculative=suffix``: its corpus of earlier outputs) keeps them across an engine's rounds and cases, so a second
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import os
@@ -155,6 +158,25 @@ def engine_overlap(engine: Engine, overlap: str) -> str:
     return "off" if engine.spec_version == "v1" else overlap
 
 
+@contextlib.contextmanager
+def timing_collections() -> Iterator[dict[str, list[float]]]:
+    """The garbage collector's collections meanwhile: generation -> their seconds (framework/heap.py)."""
+    pauses: dict[str, list[float]] = {}
+    start = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            pauses.setdefault(str(info["generation"]), []).append(time.perf_counter() - start[0])
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: int, repeat: int,
              profile: int = 0, max_tokens: int = 0, prompt_tokens: int = 0, prompt_set: str = "grounded",
              kernels: int = 0, stretch: int = 0) -> dict:
@@ -166,7 +188,7 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
     if engine.spec_worker is not None:
         engine.spec_worker.stats = SpecStats(accepted_at_depth=[0] * engine.config.speculative.num_steps)
     profiler = cProfile.Profile() if profile else None
-    with counting_launches(engine) as launches:
+    with counting_launches(engine) as launches, timing_collections() as collections:
         if profiler:
             profiler.enable()
         outputs = generate_items(engine, items, progress=False)
@@ -190,7 +212,10 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
            "wall_s": summary["wall_s"], "forwards": len(launches), "prefill_forwards": launches.count("EXTEND"),
            "step_ms": round(step_ms, 3), "context": context, "forward_ms": round(forward_ms, 3),
            "ratio": round(step_ms / forward_ms, 3), "startup_s": round(engine.startup_s, 1),
-           "device": torch.cuda.get_device_name()}
+           "device": torch.cuda.get_device_name(),
+           "frozen_objects": gc.get_freeze_count(),
+           # generation -> [collections, their ms in all, the longest ms] during the timed run
+           "gc": {g: [len(v), round(sum(v) * 1e3, 2), round(max(v) * 1e3, 2)] for g, v in sorted(collections.items())}}
     if kernels:  # one batch of the requests again (their prompts now cached), under torch.profiler
         def work() -> int:
             with counting_launches(engine) as again:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from framework import compile_state
+from framework import compile_state, heap
 from framework.attention import build_backend
 from framework.batch import ForwardBatch, ForwardMode
 from framework.config import Config, ConfigError
@@ -66,6 +66,7 @@ class Engine:
 
     def __init__(self, config: Config) -> None:
         t0 = time.perf_counter()
+        heap.thaw()  # an earlier engine's frozen start-up heap is collectable again (framework/heap.py)
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -162,6 +163,7 @@ class Engine:
             self.drafter.warmup()
             self.spec_worker.warmup()
         self.stats = EngineStats()
+        heap.settle(self.device)  # the start-up heap out of the collector's scans while serving (framework/heap.py)
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs: %s on %s/%s%s, %d KV slots, page_size %d, prefix_cache=%s, compile=%s, "
                  "overlap=%s%s", self.startup_s, config.model.name, self.device, self.dtype,
@@ -174,6 +176,7 @@ class Engine:
         """Stop the tensor-parallel ranks (nothing to do for one process) and give up torch's compile state to the next
         engine (framework/compile_state.py); the engine cannot run afterwards."""
         compile_state.release(self)
+        heap.thaw()
         if self.tp is not None:
             self.tp.close()
 
