@@ -1,10 +1,11 @@
 """The Python heap an engine's start-up leaves behind, kept out of the garbage collector's way while it serves.
 
 Start-up on CUDA compiles and records programs: dynamo's and inductor's objects, CUDA-graph trees, the model. That
-heap is millions of objects that live as long as the engine, and CPython's collector rescans the whole oldest
-generation when enough objects have been promoted into it since its last full collection (25% of it, counted from
-whenever that collection happened during start-up): a full collection in the serving loop then stops the host for
-tens of milliseconds, hundreds of steps of a small model, at a moment nobody chose. As SGLang and vLLM do after
+heap is about a million objects that live as long as the engine (958k for SmolLM2's shape compiled on the CPU), and
+CPython's collector rescans the whole oldest generation when enough objects have been promoted into it since its
+last full collection (25% of it, counted from whenever that collection happened during start-up): a full collection
+in the serving loop then stops the host for as long as one takes (0.2 s for a 449k-object heap on the CPU machine:
+docs/PERFORMANCE.md), hundreds of a small model's steps, at a moment nobody chose. As SGLang and vLLM do after
 capturing their CUDA graphs, the engine collects once at the end of its start-up and freezes what survives
 (``gc.freeze``: moved to a permanent generation that collections do not scan); what the serving loop allocates is
 collected as before. An engine's close(), and the start of the next engine, unfreeze it (``gc.unfreeze``), so an
