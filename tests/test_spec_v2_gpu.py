@@ -56,12 +56,14 @@ def test_v2_gives_v1_tokens_on_cuda(drafter, page_size):
     v2.engine.allocator.assert_all_free()
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-def test_v2_iteration_does_not_synchronize(drafter):
+@pytest.mark.parametrize("drafter,adaptive", [("ngram", False), ("suffix", False), ("ngram", True)])
+def test_v2_iteration_does_not_synchronize(drafter, adaptive):
     """Once every request decodes, an engine step launches the next iteration (draft, verify, acceptance) and takes
     the previous one's result with one asynchronous copy: no synchronising call in 20 steps (suffix: nor when
-    finished requests join its corpus)."""
-    llm = LLM(cuda_overrides(*BASE, f"speculative={drafter}", *CHAIN, "speculative.version=v2"))
+    finished requests join its corpus; adaptive: nor in the controller's choice, its record of the iteration's
+    counts, costs and host time, or its shadow drafts)."""
+    llm = LLM(cuda_overrides(*BASE, f"speculative={drafter}", *CHAIN, "speculative.version=v2",
+                             f"speculative.adaptive={str(adaptive).lower()}"))
     engine = llm.engine
     reqs = [engine.make_request({"prompt": p, "max_tokens": 200, "ignore_eos": True}, rid=i)
             for i, p in enumerate(PROMPTS[:4])]
