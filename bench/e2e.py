@@ -230,7 +230,8 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
         search = (" search" if sp.skip_search else "") + (" adaptive" if sp.adaptive else "")
         row.update(speculative=f"{sp.name}{search} {engine.spec_version}", num_steps=sp.num_steps,
                    **{k: summary[k] for k in ("mean_accept_len", "draft_time_share", "verify_time_share",
-                                              "gpu_ms_per_iteration", "skip_search", "chosen_draft_lengths")
+                                              "gpu_ms_per_iteration", "gpu_ms_longest_iteration", "skip_search",
+                                              "chosen_draft_lengths")
                       if k in summary})
     return row
 

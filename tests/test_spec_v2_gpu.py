@@ -85,6 +85,8 @@ def test_v2_iteration_does_not_synchronize(drafter, adaptive):
     while engine.has_work():
         engine.step()
     engine.allocator.assert_all_free()
+    summary = engine.spec_worker.stats.summary()  # every iteration's GPU time, from its CUDA events
+    assert summary["gpu_ms_longest_iteration"] >= summary["gpu_ms_per_iteration"] > 0
 
 
 def test_startup_compiles_the_model_once_per_verify_width():

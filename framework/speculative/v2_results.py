@@ -92,4 +92,5 @@ def account(worker: "SpecV2Worker", lens: list[int], launched: SpecLaunched) -> 
     worker._events.append(events)
     worker.stats.add(lens, *s)
     worker.stats.num_iterations += 1
+    worker.stats.longest_s = max(worker.stats.longest_s, sum(s))
     return sum(s)

@@ -37,6 +37,7 @@ class SpecStats:
     verify_s: float = 0.0
     extend_s: float = 0.0  # v2: the head drafter's DRAFT_EXTEND_V2
     num_iterations: int = 0  # v2: iterations whose GPU time (draft_s + verify_s + extend_s, CUDA events) is counted
+    longest_s: float = 0.0  # v2: the longest of those iterations' GPU time (a stop of the host shows here)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # speculative.adaptive: depth -> iterations
 
     def add(self, lens: list[int], draft_s: float = 0.0, verify_s: float = 0.0, extend_s: float = 0.0) -> None:
@@ -58,7 +59,8 @@ class SpecStats:
                 "draft_time_share": round(self.draft_s / total, 4) if total else 0.0,
                 "verify_time_share": round(self.verify_s / total, 4) if total else 0.0,
                 **({"extend_time_share": round(self.extend_s / total, 4)} if self.extend_s else {}),
-                **({"gpu_ms_per_iteration": round(1e3 * total / self.num_iterations, 4)} if self.num_iterations else {}),
+                **({"gpu_ms_per_iteration": round(1e3 * total / self.num_iterations, 4),
+                    "gpu_ms_longest_iteration": round(1e3 * self.longest_s, 4)} if self.num_iterations else {}),
                 **({"chosen_draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())}}
                    if self.draft_lengths else {})}
 
