@@ -301,18 +301,28 @@ def test_unknown_route_is_an_openai_error(http):
 def test_client_disconnect_aborts_and_frees_kv(server, http, monkeypatch):
     wait_idle(server)
     loop = server.loop
-    # the tiny model would finish all 1000 tokens (and free its KV) before a starved client thread read 3 chunks
-    # (seen on a busy 2-core machine): pace the engine so that the request is still running when the client leaves
-    step = loop.engine.step
-    monkeypatch.setattr(loop.engine, "step", lambda: (time.sleep(0.005), step())[1])
-    with http.stream("POST", "/v1/completions",
-                     json={"prompt": PROMPT, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
-        chunks = 0
-        for line in r.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks == 3:
-                break
-        assert loop.engine.allocator.num_used_slots > 0
+    # the tiny model can finish all 1000 tokens (and free its KV) before a starved client thread reads 3 chunks (seen
+    # on a busy 2-core machine, even with the engine paced): after 40 steps the engine waits until the client has left
+    step, steps, client_left = loop.engine.step, [0], threading.Event()
+
+    def gated_step():
+        steps[0] += 1
+        if steps[0] > 40:
+            client_left.wait(timeout=60)
+        return step()
+
+    monkeypatch.setattr(loop.engine, "step", gated_step)
+    try:
+        with http.stream("POST", "/v1/completions",
+                         json={"prompt": PROMPT, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break
+            assert loop.engine.allocator.num_used_slots > 0
+    finally:
+        client_left.set()
     wait_idle(server)  # the stream is closed: the server notices and aborts the request
     record = loop.abort_log[-1]
     assert record.freed_at_step - record.requested_at_step <= 1  # KV freed before the next engine step
@@ -348,8 +358,15 @@ def test_slow_tokenization_does_not_hold_up_generation(server, client, monkeypat
         return make_request(item, rid=rid)
 
     monkeypatch.setattr(engine, "make_request", slow)
-    step = engine.step  # paced, so that the long request is still running when the slow one arrives
-    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.005), step())[1])
+    step, steps = engine.step, [0]
+
+    def gated_step():  # after 40 steps the engine waits for the slow request, so that the long one is still running
+        steps[0] += 1
+        if steps[0] > 40:
+            started.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=300,
                               extra_body={"ignore_eos": True})
