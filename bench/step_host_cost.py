@@ -37,7 +37,7 @@ from framework.scheduler import Scheduler  # noqa: E402
 from framework.request import Request  # noqa: E402
 from framework.sampling import SamplingParams  # noqa: E402
 from framework.speculative.adaptive import DraftLengthController, record_iteration  # noqa: E402
-from framework.speculative.suffix import SuffixDrafter  # noqa: E402
+from framework.speculative.suffix import SuffixDrafter, resolve_auto_shape  # noqa: E402
 from framework.speculative.suffix_corpus import SuffixCorpus  # noqa: E402
 from framework.speculative.suffix_device import chain_limits, suffix_chain_device  # noqa: E402
 
@@ -103,9 +103,11 @@ def synthetic_text(rng: np.random.Generator) -> Callable[[int], list[int]]:
 
 
 def suffix_knobs() -> dict:
-    """conf/speculative/suffix.yaml's knobs."""
+    """conf/speculative/suffix.yaml's knobs, its auto shape resolved as on the CPU (trees)."""
     conf = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "speculative", "suffix.yaml"))
-    return {k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name", "version")}
+    knobs = SimpleNamespace(**{k: v for k, v in OmegaConf.to_container(conf).items() if k not in ("defaults", "name")})
+    resolve_auto_shape(knobs, "cpu")
+    return {k: v for k, v in vars(knobs).items() if k != "version"}
 
 
 def chain_us(batch: int, iterations: int, fused: bool = False) -> float:

@@ -33,7 +33,7 @@ from framework.speculative.suffix_tree import SuffixTree, grow_draft  # noqa: E4
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
 SUFFIX = dict(num_steps=7, topk=4, num_draft_tokens=8, suffix_max_depth=24, suffix_cache_tokens=16384,
-              max_spec_factor=2.0, max_spec_offset=0.0, min_token_prob=0.1)  # conf/speculative/suffix.yaml
+              max_spec_factor=2.0, max_spec_offset=0.0, min_token_prob=0.1)  # conf/speculative/suffix.yaml (CPU)
 
 
 def plain_outputs(prompts: str, max_tokens: int, path: str) -> list[tuple[list[int], list[int]]]:

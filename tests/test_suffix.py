@@ -237,7 +237,7 @@ def test_repeated_requests_accept_more_and_stay_lossless(caplog):
                                                           "Once upon a time"]]
     plain = [o.token_ids for o in LLM(TINY + ["scheduler.max_running_requests=4"]).generate(prompts)]
     with caplog.at_level(logging.INFO, logger="framework.engine"):
-        llm = LLM(TINY + SUFFIX + ["scheduler.max_running_requests=4", "speculative.version=v2"])
+        llm = LLM(TINY + SUFFIX + ["scheduler.max_running_requests=4", "speculative.version=v2", "speculative.topk=4"])
     assert llm.engine.spec_version == "v1"  # v2 runs chains; trees (topk=4) run v1: one log line says why
     assert sum("speculative.version=v2: running v1" in r.getMessage() for r in caplog.records) == 1
     first = llm.generate(prompts)
@@ -248,7 +248,32 @@ def test_repeated_requests_accept_more_and_stay_lossless(caplog):
     llm.engine.allocator.assert_all_free()
 
 
+def test_the_default_shape_is_trees_on_the_cpu():
+    llm = LLM(TINY + ["speculative=suffix", "scheduler.max_running_requests=2"])
+    spec = llm.engine.config.speculative
+    assert (spec.topk, spec.num_draft_tokens, llm.engine.spec_version) == (4, 8, "v1")
+    llm.close()
+
+
+@pytest.mark.parametrize("device,knobs,shape", [
+    ("cuda", {}, (1, 0)),  # chains, drafted on the device in v2 (num_draft_tokens: the chain's, resolved later)
+    ("cpu", {}, (4, 8)),
+    ("cuda", {"version": "v1"}, (4, 8)),  # v1's host-drafted iteration: trees
+    ("cpu", {"version": "v2"}, (1, 0)),  # v2 runs chains
+    ("cuda", {"num_draft_tokens": 16}, (4, 16)),  # a tree's budget asks for a tree
+    ("cuda", {"num_draft_tokens": 8}, (1, 8)),  # a chain's num_steps + 1 does not
+    ("cuda", {"topk": 2}, (2, 8)),  # an explicit topk stays; a tree's auto budget is TREE_DRAFT_TOKENS
+    ("cpu", {"topk": 1}, (1, 0)),
+])
+def test_auto_shape(device, knobs, shape):
+    from framework.speculative.suffix import resolve_auto_shape
+    cfg = SimpleNamespace(**{"topk": 0, "num_draft_tokens": 0, "num_steps": 7, "version": "auto", **knobs})
+    resolve_auto_shape(cfg, device)
+    assert (cfg.topk, cfg.num_draft_tokens) == shape
+
+
 @pytest.mark.parametrize("override,allowed", [("speculative.min_token_prob=1.5", "a number in [0, 1]"),
+                                              ("speculative.topk=-1", "0 (auto) or an integer >= 1"),
                                               ("speculative.suffix_max_depth=1", "an integer >= 2"),
                                               ("speculative.max_spec_factor=-1", "a number >= 0")])
 def test_bad_knobs_fail_in_one_line(override, allowed):

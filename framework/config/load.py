@@ -139,6 +139,12 @@ def validate_speculative(config: Config) -> None:
     if sp.name == "none":
         return
     _check("speculative.num_steps", sp.num_steps, sp.num_steps >= 1, "an integer >= 1 for a drafter")
+    if sp.name == "suffix":  # topk 0 (auto): chains on CUDA, trees elsewhere
+        from framework.resolve import resolve_device
+        from framework.speculative.suffix import resolve_auto_shape
+
+        _check("speculative.topk", sp.topk, sp.topk >= 0, "0 (auto) or an integer >= 1")
+        resolve_auto_shape(sp, resolve_device(config.model.device).type)
     _check("speculative.topk", sp.topk, sp.topk >= 1, "an integer >= 1")
     if sp.num_draft_tokens == 0:
         sp.num_draft_tokens = sp.num_steps + 1 if sp.topk == 1 else 1 + sp.topk * sp.num_steps
