@@ -71,8 +71,8 @@ TREE_TOPK, TREE_DRAFT_TOKENS = 4, 8
 def resolve_auto_shape(cfg: SpeculativeConfig, device_type: str) -> None:
     """``topk=0`` (auto) and ``num_draft_tokens=0`` (auto), in place. Chains (``topk=1``, drafted on the device in
     speculation v2) on CUDA: there a tree's v1 iteration waits on the host (2.5 ms an iteration on the H100 against
-    n-gram v2's 0.78 ms), and at the default size a tree accepts little more than the best chain (1.34x against 1.31x
-    n-gram's tokens a step on tasks that share structure, ``bench/suffix_replay.py``). Trees of ``TREE_DRAFT_TOKENS``
+    n-gram v2's 0.78 ms), and at the default size a tree accepts little more than the best chain (1.32x against 1.27x
+    n-gram's tokens a step on the shared-structure tasks in ``bench/suffix_replay.py``). Trees of ``TREE_DRAFT_TOKENS``
     nodes, ``TREE_TOPK`` children a node, elsewhere (on the CPU the forward dwarfs the host's drafting), with
     ``version=v1``, and where ``num_draft_tokens`` asks for more than a chain's ``num_steps + 1``; ``version=v2``
     asks for chains (v2 runs chains only)."""
