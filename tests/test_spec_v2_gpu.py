@@ -26,7 +26,7 @@ def outputs(llm: LLM, reqs: list[dict]) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(reqs)]
 
 
-CHAIN = ["speculative.topk=1", "speculative.num_draft_tokens=0"]  # (suffix's yaml drafts trees)
+CHAIN = ["speculative.topk=1", "speculative.num_draft_tokens=0"]  # (suffix's yaml: chains on CUDA, trees on the CPU)
 
 
 @pytest.mark.parametrize("drafter,page_size", [("ngram", 1), ("ngram", 16), ("layer_skip", 16), ("draft_model", 16),
@@ -178,3 +178,15 @@ def test_adaptive_v2_compiles_nothing_while_serving_and_gives_v1_tokens():
     assert v1.engine.spec_version == "v1" and outputs(v1, greedy) == out
     plain = LLM(cuda_overrides(*(c for c in common if not c.startswith("speculative")), "speculative=none"))
     assert [o[0] for o in outputs(plain, greedy)] == [o[0] for o in out]
+
+
+def test_suffix_takes_v2_chains_on_cuda_by_default():
+    """The yaml's ``topk: 0`` (auto): chains drafted on the device, in v2, where trees would run the host-bound v1
+    iteration; ``speculative.topk=4`` still asks for trees (v1)."""
+    from framework.config.load import compose
+    from framework.speculative.version import resolve_version
+
+    cfg = compose(cuda_overrides(*BASE[:-2], "speculative=suffix")).speculative
+    assert (cfg.topk, cfg.num_draft_tokens) == (1, cfg.num_steps + 1) and resolve_version(cfg) == ("v2", None)
+    cfg = compose(cuda_overrides(*BASE[:-2], "speculative=suffix", "speculative.topk=4")).speculative
+    assert (cfg.topk, cfg.num_draft_tokens) == (4, 8) and resolve_version(cfg)[0] == "v1"
