@@ -44,7 +44,8 @@ def tiny_reference() -> list:
     ["speculative=ngram", "speculative.version=v1", "speculative.topk=2", "speculative.num_draft_tokens=7"],
     ["speculative=layer_skip", "speculative.version=v1", "speculative.exit_layer=1"],
     ["speculative=draft_model", "speculative.draft_model=tiny_llama", "speculative.num_steps=3"],
-], ids=["plain", "ngram_v1", "ngram_v2", "ngram_tree", "layer_skip", "self_draft"])
+    ["speculative=suffix", "speculative.version=v2"],  # (chains: suffix's default shape on CUDA)
+], ids=["plain", "ngram_v1", "ngram_v2", "ngram_tree", "layer_skip", "self_draft", "suffix_v2"])
 def test_tiny_llama_tp2_matches_one_process(tiny_reference, spec):
     tokens, stats = run(TINY + ["parallel.tensor_parallel_size=2"] + spec)
     assert tokens == tiny_reference
