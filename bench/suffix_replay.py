@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from framework.request import Request  # noqa: E402
 from framework.speculative.ngram import NgramIndex  # noqa: E402
-from framework.speculative.suffix import SuffixDrafter  # noqa: E402
+from framework.speculative.suffix import SuffixDrafter, resolve_auto_shape  # noqa: E402
 from framework.speculative.suffix_tree import SuffixTree, grow_draft  # noqa: E402
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "prompts", "grounded.jsonl")
@@ -150,12 +150,18 @@ def ngram_run(pairs, passes: int, num_steps: int = 5, min_n: int = 1, max_n: int
 
 
 def parse_knobs(text: str) -> dict:
+    """``name=value ...`` over the CPU's defaults; ``topk=0`` / ``num_draft_tokens=0`` (auto) resolved as the CPU's
+    config resolves them (conf/speculative/suffix.yaml)."""
     knobs = dict(SUFFIX)
     for item in text.split():
         name, _, value = item.partition("=")
         if name not in SUFFIX:
             raise SystemExit(f"--knobs: unknown knob {name!r}; known: {', '.join(SUFFIX)}")
         knobs[name] = type(SUFFIX[name])(value)
+    shape = types.SimpleNamespace(version="auto", **knobs)
+    resolve_auto_shape(shape, "cpu")
+    knobs["topk"] = shape.topk
+    knobs["num_draft_tokens"] = shape.num_draft_tokens or knobs["num_steps"] + 1  # (0 left: a chain's)
     return knobs
 
 

@@ -35,6 +35,14 @@ def test_bound_is_at_least_what_the_drafter_accepts(knobs):
     assert got[1] > got[0]  # the repeat pass draws on the first pass's outputs
 
 
+@pytest.mark.parametrize("knobs,shape", [("topk=1 num_draft_tokens=0", (1, 8)), ("topk=0 num_draft_tokens=0", (4, 8)),
+                                         ("topk=0 num_draft_tokens=16", (4, 16)), ("topk=2 num_draft_tokens=0", (2, 8))])
+def test_auto_knobs_resolve_as_the_cpu_config_does(knobs, shape):
+    k = replay.parse_knobs(knobs)
+    assert (k["topk"], k["num_draft_tokens"]) == shape
+    assert replay.suffix_run(_pairs(0), k, 1)[0] >= 1.0
+
+
 def test_a_repeated_request_is_drafted_whole():
     out = list(range(100, 140))
     got = replay.suffix_run([([1, 2, 3], out)], replay.parse_knobs("num_steps=8 num_draft_tokens=16"), 2)
