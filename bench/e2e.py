@@ -228,7 +228,8 @@ def run_case(engine: Engine, name: str, batch: int, overlap: str, new_tokens: in
     if engine.spec_worker is not None:  # acceptance and the iteration's GPU split
         sp = engine.config.speculative
         search = (" search" if sp.skip_search else "") + (" adaptive" if sp.adaptive else "")
-        row.update(speculative=f"{sp.name}{search} {engine.spec_version}", num_steps=sp.num_steps,
+        row.update(speculative=f"{sp.name}{search} {engine.spec_version}", num_steps=sp.num_steps, topk=sp.topk,
+                   num_draft_tokens=sp.num_draft_tokens,
                    **{k: summary[k] for k in ("mean_accept_len", "draft_time_share", "verify_time_share",
                                               "gpu_ms_per_iteration", "gpu_ms_longest_iteration", "skip_search",
                                               "chosen_draft_lengths")
@@ -281,7 +282,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'case':>16} {'drafter':>10} {'overlap':>7} {'reqs':>5} {'tok/s':>9} {'step ms':>8} {'fwd ms':>7} {'ratio':>6} "
           f"{'accept':>6} {'gpu iter ms':>11}")
     for r in rows:
-        drafter = r.get("speculative", "none") + (f" k={r['num_steps']}" if "num_steps" in r else "")
+        drafter = r.get("speculative", "none") + (f" k={r['num_steps']}" if "num_steps" in r else "") + \
+            (f" tree {r['num_draft_tokens']}" if r.get("topk", 1) > 1 else "")
         print(f"{r['case']:>16} {drafter:>10} {r['overlap']:>7} {r['requests']:>5} "
               f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.3f} {r['forward_ms']:>7.3f} {r['ratio']:>6.3f} {r.get('mean_accept_len', 1.0):>6.2f} "
               f"{r.get('gpu_ms_per_iteration', 0.0):>11.3f}")
