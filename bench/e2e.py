@@ -25,8 +25,8 @@ iteration counts as one; ``--rounds N``: the case N times, the median round repo
 with ``--speculative`` (one engine per drafter, ``speculative=<drafter>``) also the mean accepted tokens per
 iteration and the iteration's GPU time from CUDA events (speculation v2). Each row's ``gc`` gives the garbage
 collector's collections during the timed run per generation: [count, ms in all, the longest ms] (a full collection
-scans the whole heap a compiled engine's start-up left, unless it is frozen: framework/heap.py). ``--kernels N``: after each case, one
-batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
+scans the whole heap a compiled engine's start-up left, unless it is frozen: framework/heap.py). ``--kernels N``:
+after each case, one batch of its requests again under torch.profiler (bench/kernel_profile.py): per iteration, the GPU's busy time against
 the wall time (what is left is the GPU waiting for the host) and the N kernels that took the most. A drafter that remembers finished requests
 (``speculative=suffix``: its corpus of earlier outputs) keeps them across an engine's rounds and cases, so a second
 round, or a later case over the same prompts, is a repeat of those prompts for it: for first sight, one case and one

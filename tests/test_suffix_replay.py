@@ -36,7 +36,8 @@ def test_bound_is_at_least_what_the_drafter_accepts(knobs):
 
 
 @pytest.mark.parametrize("knobs,shape", [("topk=1 num_draft_tokens=0", (1, 8)), ("topk=0 num_draft_tokens=0", (4, 8)),
-                                         ("topk=0 num_draft_tokens=16", (4, 16)), ("topk=2 num_draft_tokens=0", (2, 8))])
+                                         ("topk=0 num_draft_tokens=16", (4, 16)),
+                                         ("topk=2 num_draft_tokens=0", (2, 8))])
 def test_auto_knobs_resolve_as_the_cpu_config_does(knobs, shape):
     k = replay.parse_knobs(knobs)
     assert (k["topk"], k["num_draft_tokens"]) == shape
